@@ -1,0 +1,28 @@
+"""paged-transformers: a paged KV cache, PagedAttention kernels and continuous batching for
+Hugging Face transformers models.
+
+Public API::
+
+    from paged_transformers import paged_generate, SamplingParams, EngineConfig, LLMEngine, PagedCache
+"""
+
+from .cache import PagedCache
+from .config import AttentionBackend, EngineConfig
+from .engine import LLMEngine
+from .generate import paged_generate
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionBackend",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "PagedCache",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "paged_generate",
+]

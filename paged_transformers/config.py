@@ -1,0 +1,79 @@
+"""Engine configuration: the field's standard knobs, validated on construction."""
+
+import enum
+from dataclasses import dataclass
+
+
+class AttentionBackend(enum.Enum):
+    """Which implementation runs paged attention. ``AUTO``: Triton on CUDA, torch elsewhere."""
+
+    AUTO = "auto"
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Limits and sizes of the paged engine (names as vLLM uses them).
+
+    Args:
+        block_size: tokens per KV block (default 16).
+        num_gpu_blocks: exact number of KV blocks in the pool; overrides every other sizing knob.
+        gpu_memory_utilization: on CUDA, the fraction of the device's memory the whole process may
+            use; the KV pool gets what is left of it after weights and a profiled forward.
+        kv_cache_memory_bytes: explicit KV pool budget in bytes (all layers, K and V). The default on
+            CPU, where there is no device memory to measure, is ``CPU_DEFAULT_KV_BYTES`` (1 GiB),
+            capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
+        max_model_len: longest sequence (prompt + output) in tokens; default: the model's
+            ``max_position_embeddings``. A sequence that reaches it finishes with
+            ``finish_reason="length"``; a prompt longer than it is rejected.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens (prefill + decode) in one step (the token budget).
+        enable_chunked_prefill: split prompts longer than the remaining token budget across steps.
+            When False, a prompt longer than ``max_num_batched_tokens`` is rejected.
+        enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
+        attention_backend: ``"auto"``, ``"triton"`` or ``"torch"`` (parsed into ``AttentionBackend``).
+
+    Raises:
+        ValueError: a field out of range, naming the field and the value.
+
+    Examples:
+        >>> from paged_transformers import EngineConfig
+        >>> cfg = EngineConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=256)
+        >>> cfg.attention_backend
+        <AttentionBackend.AUTO: 'auto'>
+        >>> EngineConfig(block_size=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: block_size must be a positive integer, got 0
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    attention_backend: AttentionBackend | str = AttentionBackend.AUTO
+
+    CPU_DEFAULT_KV_BYTES = 1 << 30
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        try:
+            self.attention_backend = AttentionBackend(self.attention_backend)
+        except ValueError:
+            allowed = [b.value for b in AttentionBackend]
+            raise ValueError(f"attention_backend must be one of {allowed}, got {self.attention_backend!r}") from None

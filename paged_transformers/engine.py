@@ -1,0 +1,318 @@
+"""``LLMEngine``: add_request / step / abort over the scheduler, runner and sampler.
+
+One ``step()`` reads top to bottom: scheduler plans -> block manager grants slots -> runner packs
+the batch and runs the model -> sampler -> scheduler appends tokens, checks stops, frees blocks ->
+outputs.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .attention import ATTENTION_NAME, resolve_backend
+from .cache import PagedCache
+from .config import EngineConfig
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .runner import ModelRunner
+from .sampling import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+from .sizing import model_kv_shape, num_kv_blocks
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    """The paged, continuously batched engine around an unmodified transformers causal LM.
+
+    While the engine is open the model's ``attn_implementation`` is ``ATTENTION_NAME``; ``close()``
+    (or leaving the ``with`` block) restores the previous one.
+
+    Args:
+        model: a transformers causal LM whose attention goes through ``AttentionInterface``.
+        tokenizer: optional; needed for string prompts, output text and ``stop`` strings.
+        engine_config: ``EngineConfig``; default ``EngineConfig()``.
+
+    Raises:
+        ValueError: the model's attention cannot be replaced (names the model class); ``max_model_len``
+            over the model's ``max_position_embeddings``; a pool too small for one ``max_model_len``
+            sequence (with the numbers).
+
+    Examples:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from paged_transformers import LLMEngine, SamplingParams
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <...>
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+        >>> with LLMEngine(model) as engine:
+        ...     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
+        ...     while engine.has_unfinished_requests():
+        ...         outs = engine.step()
+        >>> len(outs[0].outputs[0].token_ids), outs[0].outputs[0].finish_reason
+        (4, 'length')
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, engine_config: EngineConfig | None = None):
+        self.config = engine_config if engine_config is not None else EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        model_config = model.config
+        self.vocab_size = model_config.get_text_config().vocab_size
+        max_positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+        self.max_model_len = self.config.max_model_len or max_positions
+        if self.max_model_len is None:
+            raise ValueError("the model config has no max_position_embeddings; set EngineConfig.max_model_len")
+        if max_positions is not None and self.max_model_len > max_positions:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={max_positions}")
+        if not getattr(model, "_can_set_attn_implementation", lambda: False)():
+            raise ValueError(
+                f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+                "so the paged engine cannot replace its attention"
+            )
+
+        param = next(model.parameters())
+        device, dtype = param.device, _compute_dtype(model)
+        num_layers, num_kv_heads, head_dim = model_kv_shape(model_config)
+        bytes_per_block = PagedCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = num_kv_blocks(model, self.config, self.max_model_len, bytes_per_block)
+        needed = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV pool holds {num_blocks} blocks of {self.config.block_size} tokens "
+                f"({num_blocks * self.config.block_size} tokens, {bytes_per_block} bytes per block), fewer than the "
+                f"{needed} blocks one max_model_len={self.max_model_len} sequence needs; raise the KV budget or lower max_model_len"
+            )
+        self.cache = PagedCache(num_layers, num_blocks, self.config.block_size, num_kv_heads, head_dim, dtype, device)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.scheduler = Scheduler(self.config, self.cache.block_manager, self._check_stop)
+        self.sampler = Sampler(self.eos_token_ids, self.vocab_size)
+
+        self._previous_attn = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_NAME)
+        write_kv, attend = resolve_backend(self.config.attention_backend, device)
+        self.runner = ModelRunner(model, self.cache, write_kv, attend)
+        self.requests: dict[str, _Request] = {}
+        self.peak_num_used_blocks = 0
+        self.device = device
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give the model its previous attention implementation back. Unfinished requests are aborted."""
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        if self.model.config._attn_implementation == ATTENTION_NAME:
+            self.model.set_attn_implementation(self._previous_attn)
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (string prompts need the tokenizer).
+
+        Raises:
+            ValueError: a string prompt without a tokenizer, or a prompt of another type.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {prompt[:40]!r} is a string but no tokenizer was given; pass tokenizer= or token ids")
+            return list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Check a tokenized prompt against the vocabulary and the engine's limits.
+
+        Raises:
+            ValueError: empty; an id that is not an int in ``[0, vocab_size)``; ``len >= max_model_len``
+                (at least one output token must fit); longer than ``max_num_batched_tokens`` with
+                chunked prefill off.
+        """
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: it needs at least one token")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} leaves room for "
+                f"prompts of at most {self.max_model_len - 1} tokens"
+            )
+        if not self.config.enable_chunked_prefill and len(prompt_token_ids) > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, over max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens}, and chunked prefill is off"
+            )
+
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> None:
+        """Queue a request; it joins the batch at the next step that has room.
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt: text (needs the tokenizer) or token ids.
+            sampling_params: default ``SamplingParams()``.
+
+        Raises:
+            ValueError: a duplicate ``request_id`` or a bad prompt (``validate_prompt``); nothing is
+                queued or allocated then.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        prompt_token_ids = self.tokenize(prompt)
+        self.validate_prompt(prompt_token_ids)
+        seqs = []
+        for index in range(sampling_params.n):
+            generator = None
+            if sampling_params.seed is not None:
+                # NOTE: hash of an int tuple is not salted per process, so the stream is reproducible.
+                generator = torch.Generator(device=self.device).manual_seed(hash((sampling_params.seed, index)) & (2**63 - 1))
+            seqs.append(Sequence(request_id, index, prompt_token_ids, sampling_params, generator))
+        self.requests[request_id] = _Request(
+            request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, sampling_params, seqs,
+            RequestMetrics(arrival_time=time.perf_counter()),
+        )
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks are freed. Unknown ids are ignored (it may have finished)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration. Returns the outputs of the requests that got a token or finished in it;
+        a finished request is returned once, then forgotten by the engine."""
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            return []
+        now = time.perf_counter()
+        for seq in plan.seqs:
+            metrics = self.requests[seq.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        self.peak_num_used_blocks = max(self.peak_num_used_blocks, self.cache.block_manager.num_used_blocks)
+
+        logits = self.runner.execute(plan)
+        sample_seqs = [seq for i, seq in enumerate(plan.seqs) if plan.samples(i)]
+        results = self.sampler.sample(logits, sample_seqs) if sample_seqs else []
+
+        sampled: dict[int, int] = {}
+        for seq, result in zip(sample_seqs, results):
+            if result.error is not None:
+                seq.error = result.error
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                continue
+            sampled[seq.seq_id] = result.token_id
+            if seq.logprobs is not None:
+                seq.logprobs.append(result.top_logprobs)
+                seq.cumulative_logprob += result.logprob
+        self.scheduler.update_from_output(plan, sampled)
+
+        now = time.perf_counter()
+        touched = dict.fromkeys(seq.request_id for seq in sample_seqs)
+        outputs = []
+        for request_id in touched:
+            request = self.requests[request_id]
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            output = self._make_output(request)
+            if output.finished:
+                request.metrics.finished_time = now
+                del self.requests[request_id]
+            outputs.append(output)
+        return outputs
+
+    def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
+        sp = seq.sampling_params
+        token = seq.token_ids[-1]
+        if token in sp.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if sp.stop and self.tokenizer is not None:
+            text = self._decode(seq.output_token_ids)
+            for stop in sp.stop:
+                if stop in text:
+                    seq.stop_reason = stop
+                    return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _make_output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            text = self._decode(seq.output_token_ids)
+            if isinstance(seq.stop_reason, str):
+                text = text[: text.find(seq.stop_reason)]
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    error=seq.error,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=all(seq.is_finished for seq in request.seqs),
+            metrics=request.metrics,
+        )
+
+
+def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The activation dtype: the model's ``dtype`` unless that is an integer (quantized) type."""
+    dtype = getattr(model, "dtype", None)
+    if dtype is None or not dtype.is_floating_point:
+        dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    return dtype
+
+
+def _eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    """EOS ids as ``generate()`` would use them: the generation config's, else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

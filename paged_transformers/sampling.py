@@ -1,0 +1,139 @@
+"""The sampler: per-request penalties and logits processors, then greedy or random sampling.
+
+Order (vLLM's): raw logits -> logprobs (if asked) -> penalties -> logits processors -> min_tokens
+mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """What the sampler produced for one sequence: a token, or the error that failed it."""
+
+    token_id: int | None
+    logprob: float | None = None  # of the sampled token, from the raw logits
+    top_logprobs: dict[int, float] | None = None  # token id -> logprob, sampled token included
+    error: BaseException | None = None
+
+
+class Sampler:
+    """Samples one token per sequence from a batch of logits.
+
+    Args:
+        eos_token_ids: ids masked until ``min_tokens`` outputs exist (with ``stop_token_ids``).
+        vocab_size: logits columns past it (padding in some checkpoints) are never sampled.
+    """
+
+    def __init__(self, eos_token_ids: set[int], vocab_size: int):
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """Sample for ``seqs`` from ``logits [len(seqs), vocab_size]`` float32 (rows in ``seqs`` order).
+
+        A logits processor that raises fails only its own row: that row's result carries the exception.
+        """
+        logits = logits[:, : self.vocab_size].clone()
+        want_logprobs = [seq.sampling_params.logprobs is not None for seq in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        errors: dict[int, BaseException] = {}
+        for i, seq in enumerate(seqs):
+            try:
+                logits[i] = self._process_row(logits[i], seq)
+            except Exception as e:  # a user's processor; keep the other rows going
+                errors[i] = e
+
+        params = [seq.sampling_params for seq in seqs]
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        token_ids = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            probs = self._probs(logits, params)
+            sampled = self._draw(probs, seqs)
+            token_ids = torch.where(greedy, token_ids, sampled)
+
+        token_list = token_ids.tolist()
+        results = []
+        for i, seq in enumerate(seqs):
+            if i in errors:
+                results.append(SampleResult(None, error=errors[i]))
+                continue
+            tok = token_list[i]
+            result = SampleResult(tok)
+            if want_logprobs[i]:
+                row = raw_logprobs[i]
+                result.logprob = float(row[tok])
+                k = seq.sampling_params.logprobs
+                top = torch.topk(row, k) if k else None
+                result.top_logprobs = {tok: result.logprob}
+                if top is not None:
+                    result.top_logprobs.update(zip(top.indices.tolist(), top.values.tolist()))
+            results.append(result)
+        return results
+
+    def _process_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """Penalties, processors and the min_tokens mask on one row ``[vocab_size]``."""
+        sp = seq.sampling_params
+        if sp.repetition_penalty != 1.0:
+            # CTRL / transformers: over prompt + output, divide positive logits, multiply negative ones.
+            ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=row.device)
+            picked = row[ids]
+            row[ids] = torch.where(picked > 0, picked / sp.repetition_penalty, picked * sp.repetition_penalty)
+        if sp.presence_penalty or sp.frequency_penalty:
+            counts = torch.bincount(
+                torch.tensor(seq.output_token_ids, dtype=torch.int64, device=row.device), minlength=row.numel()
+            )[: row.numel()].to(row.dtype)
+            row = row - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).to(row.dtype)
+        if sp.logits_processors:
+            input_ids = torch.tensor([seq.token_ids], dtype=torch.int64, device=row.device)
+            scores = row.unsqueeze(0)
+            for proc in sp.logits_processors:
+                scores = proc(input_ids, scores)
+            row = scores[0]
+        if seq.num_output_tokens < sp.min_tokens:
+            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+            banned_ids = [t for t in banned if t < row.numel()]
+            if banned_ids:
+                row = row.index_fill(0, torch.tensor(banned_ids, dtype=torch.int64, device=row.device), float("-inf"))
+        return row
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p over ``logits [num_seqs, vocab_size]`` -> probabilities."""
+        device = logits.device
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        logits = logits / temperature[:, None]
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).clamp(max=vocab)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device)[None, :]
+            drop = ranks >= top_k[:, None]
+            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before >= top_p[:, None]
+            drop[:, 0] = False
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        probs = logits.softmax(dim=-1)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One draw per row; seeded sequences use their own generator so the batch cannot change them."""
+        out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+        unseeded = [i for i, seq in enumerate(seqs) if seq.generator is None]
+        if unseeded:
+            out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                out[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
+        return out

@@ -1,0 +1,141 @@
+"""``SamplingParams``: how one request is sampled and when it stops (vLLM's fields and defaults)."""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling and stopping parameters of one request, named and defaulted as in vLLM.
+
+    Args:
+        n: sequences to sample from the prompt (>= 1).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0.
+        top_p: nucleus sampling mass, in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's, in [0, 1].
+        seed: per-request random seed; a seeded request samples the same tokens whatever else is in
+            the batch (each sequence gets its own ``torch.Generator``).
+        max_tokens: most new tokens (>= 1). The sequence also stops at the engine's ``max_model_len``
+            (``finish_reason="length"`` in both cases).
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens were generated.
+        stop: strings that end generation when they appear in the output text (not included in it).
+        stop_token_ids: token ids that end generation (included in ``token_ids``, like EOS).
+        ignore_eos: keep generating past EOS.
+        logprobs: if set, return the log-probabilities of the sampled token and of the top
+            ``logprobs`` tokens at each step (from the model's raw logits, before any processing).
+        repetition_penalty: > 0; as in transformers/CTRL, applied to prompt and output tokens.
+        presence_penalty, frequency_penalty: in [-2, 2]; OpenAI-style, applied to output tokens.
+        logits_processors: callables with the transformers ``LogitsProcessor`` signature
+            ``(input_ids [1, num_tokens] int64, scores [1, vocab_size] float32) -> scores``, called for
+            this request alone with its whole history (prompt + output so far).
+
+    Raises:
+        ValueError: a field out of range, naming the field and the value.
+
+    Examples:
+        >>> from paged_transformers import SamplingParams
+        >>> SamplingParams(temperature=0.0, max_tokens=8).max_tokens
+        8
+        >>> SamplingParams(top_p=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: top_p must be in (0, 1], got 1.5
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logits_processors: list[Callable[..., Any]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.logits_processors = list(self.logits_processors)
+        _check_int("n", self.n, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} max_tokens={self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        for proc in self.logits_processors:
+            if not callable(proc):
+                raise ValueError(f"logits_processors must be callables, got {proc!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_generation_config(cls, generation_config, **overrides) -> "SamplingParams":
+        """Map a transformers ``GenerationConfig`` onto ``SamplingParams``.
+
+        ``do_sample=False`` becomes ``temperature=0``; ``max_new_tokens`` becomes ``max_tokens`` (16, the
+        vLLM default, when it is unset); ``min_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
+        ``min_p``, ``repetition_penalty``, ``num_return_sequences`` (as ``n``) carry over. EOS comes from
+        the engine (the tokenizer's or generation config's ``eos_token_id``). ``overrides`` win.
+
+        Raises:
+            NotImplementedError: a field set to a value the engine cannot honour (e.g. ``num_beams > 1``),
+                naming it.
+        """
+        gc = generation_config
+        if getattr(gc, "num_beams", 1) not in (None, 1):
+            raise NotImplementedError(f"GenerationConfig.num_beams={gc.num_beams} (beam search) is not supported by the paged engine")
+        kwargs: dict[str, Any] = {"temperature": 0.0}
+        if gc.do_sample:
+            kwargs.update(
+                temperature=gc.temperature if gc.temperature is not None else 1.0,
+                top_k=gc.top_k or 0,
+                top_p=gc.top_p if gc.top_p is not None else 1.0,
+                min_p=gc.min_p or 0.0,
+            )
+        if gc.max_new_tokens is not None:
+            kwargs["max_tokens"] = gc.max_new_tokens
+        if gc.min_new_tokens:
+            kwargs["min_tokens"] = gc.min_new_tokens
+        if gc.repetition_penalty is not None:
+            kwargs["repetition_penalty"] = gc.repetition_penalty
+        if gc.num_return_sequences:
+            kwargs["n"] = gc.num_return_sequences
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

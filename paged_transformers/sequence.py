@@ -1,0 +1,96 @@
+"""Per-sequence state: the tokens, how many of them are in the KV cache, and how it finished."""
+
+import enum
+import itertools
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is. ``is_finished`` is the terminal test."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"``, ``"abort"``, or None while unfinished (vLLM's strings)."""
+        return {
+            SequenceStatus.FINISHED_STOPPED: "stop",
+            SequenceStatus.FINISHED_LENGTH: "length",
+            SequenceStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One token sequence (a request has ``n`` of them).
+
+    The scheduler follows one rule for prompts and outputs alike: each step gives a sequence tokens
+    so that ``num_computed_tokens`` (tokens whose K/V is in the cache) catches up with ``num_tokens``
+    (prompt + output). Preemption by recompute sets ``num_computed_tokens`` back to 0.
+
+    Args:
+        request_id: the owning request.
+        index: this sequence's index among the request's ``n``.
+        prompt_token_ids: the prompt, at least one token.
+        sampling_params: the request's parameters.
+        generator: this sequence's own random stream when the request is seeded, else None.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.sampling_params = sampling_params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.stop_reason: int | str | None = None
+        self.error: BaseException | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens}, status={self.status.name})"
+        )
