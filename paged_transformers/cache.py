@@ -1,4 +1,19 @@
-"""``PagedCache``: the per-layer KV block pools and the block manager that hands their blocks out."""
+"""``PagedCache``: the per-layer KV block pools and the block manager that hands their blocks out.
+
+Two users:
+
+- the engine (``LLMEngine``), which owns the block tables through ``block_manager`` and writes K/V with
+  the paged attention function;
+- ``model.generate(..., past_key_values=cache)`` (``cache=`` on transformers >= 5.24): then the cache
+  keeps one block table per batch row, writes each step's K/V into blocks, and hands the model's own
+  attention (eager / SDPA) a dense ``[batch, num_kv_heads, kv_length, head_dim]`` view gathered
+  through the block tables. Left-padding tokens are never written (their rows in the view are
+  zeros, and the attention mask hides them); ``num_return_sequences`` copies of a prompt share its
+  blocks by reference; beam search reorders block tables with reference counts
+  (``reorder_cache``) instead of copying K/V; a write into a shared block copies it first.
+"""
+
+import itertools
 
 import torch
 from transformers import Cache
@@ -46,6 +61,55 @@ class PagedCache(Cache):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.key_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers = num_layers
+        # generate() state (see the module docstring); untouched by the engine.
+        self._rows: _GenerateRows | None = None
+        self._pad_hint: list[int] | None = None
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> "PagedCache":
+        """A cache shaped for ``model`` (layers, KV heads, head_dim from its config).
+
+        Args:
+            model: a transformers causal LM.
+            num_blocks: blocks in the pool; ``generate()`` needs about
+                ``batch * num_beams_or_sequences * ceil(max_length / block_size)`` of them (fewer when
+                prompts are left-padded or shared).
+            block_size: tokens per block.
+            dtype, device: default: the model's floating-point dtype and its device.
+
+        Examples:
+            >>> import torch
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> from paged_transformers import PagedCache
+            >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+            <...>
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+            >>> ids = torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]]); mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+            >>> cache = PagedCache.from_model(model, num_blocks=16, block_size=4)
+            >>> cache.set_prompt_padding(mask)
+            >>> paged = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)
+            >>> stock = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+            >>> bool((paged == stock).all())
+            True
+        """
+        from .sizing import model_kv_shape
+
+        num_layers, num_kv_heads, head_dim = model_kv_shape(model.config)
+        param = next(model.parameters())
+        if dtype is None:
+            dtype = param.dtype if param.dtype.is_floating_point else next(
+                p.dtype for p in model.parameters() if p.dtype.is_floating_point
+            )
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device or param.device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -70,3 +134,276 @@ class PagedCache(Cache):
         for k, v in zip(self.key_cache, self.value_cache):
             k[dst] = k[src]
             v[dst] = v[src]
+
+    # -- generate() path -------------------------------------------------------------------------
+    # NOTE: transformers' generate() and the model's attention layers call these. Each batch row is a
+    # sequence with its own block table; "dense" positions count left padding, stored tokens do not:
+    #
+    #   dense position p of row b:   0 .. pad_lens[b]-1 | pad_lens[b] .. num_dense-1
+    #                                (padding, never     | real token p - pad_lens[b], at
+    #                                 written, zeros)    |   slot block_table[(p-pad)//bs]*bs + (p-pad)%bs
+
+    def set_prompt_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Tell the cache which prompt positions are left padding, so they are never written.
+
+        Call it before ``generate()`` with the same ``attention_mask`` (the patched ``generate`` does it
+        for you). Without it every position is stored, which is still correct (the mask hides padding).
+        When ``generate()`` expands the batch (``num_return_sequences``, ``num_beams``), each row's
+        padding is repeated for its copies.
+
+        Args:
+            attention_mask: ``[batch, prompt_len]`` of 0/1 with the zeros on the left; None = no padding.
+
+        Raises:
+            ValueError: a mask that is not 2-D or has a 0 after a 1 in some row (right padding), or
+                the cache already holds a generation (call ``reset()`` first).
+        """
+        if self._rows is not None:
+            raise ValueError("this PagedCache already holds a generation; call reset() before reusing it")
+        if attention_mask is None:
+            self._pad_hint = None
+            return
+        if attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be [batch, prompt_len], got shape {tuple(attention_mask.shape)}")
+        mask = attention_mask.to("cpu", torch.int64)
+        pad_lens = (mask.cumsum(dim=-1) == 0).sum(dim=-1)  # leading zeros per row
+        real = mask.sum(dim=-1)
+        bad = (pad_lens + real != mask.shape[1]).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"PagedCache needs left padding; attention_mask rows {bad[:5]} have a 0 after a 1")
+        self._pad_hint = pad_lens.tolist()
+
+    def reset(self) -> None:
+        """Free every block a ``generate()`` call holds, so the cache can serve the next call."""
+        if self._rows is not None:
+            for seq_id in self._rows.seq_ids:
+                self.block_manager.free(seq_id)
+        self._rows = None
+        self._pad_hint = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store one layer's new K/V for every row and return the layer's whole K/V (``generate()`` path).
+
+        Args:
+            key_states, value_states: ``[batch, num_kv_heads, num_new_tokens, head_dim]``, the new
+                dense positions ``num_dense .. num_dense + num_new_tokens - 1`` of every row.
+            layer_idx: the decoder layer.
+
+        Returns:
+            ``(keys, values)``, each ``[batch, num_kv_heads, num_dense + num_new_tokens, head_dim]`` in the
+            cache dtype; rows of padding positions are zeros.
+
+        Raises:
+            RuntimeError: the pool has no free block left (names the sizes).
+            ValueError: a batch size that does not fit the padding given to ``set_prompt_padding``.
+        """
+        batch, num_kv_heads, num_new, head_dim = key_states.shape
+        if self._rows is None:
+            self._rows = self._start(key_states)
+        rows = self._rows
+        start = rows.layer_lens[layer_idx]
+        if start == rows.num_dense:  # the first layer to see these positions grants their slots
+            self._grant(num_new)
+        assert start + num_new == rows.num_dense, (layer_idx, start, num_new, rows.num_dense)
+        rows.layer_lens[layer_idx] = rows.num_dense
+        slots = rows.slot_index  # [batch, num_dense] int64, -1 = padding
+        new_slots = slots[:, start:].reshape(-1)
+        write = new_slots >= 0
+        if rows.write_rows is not None:  # forked prompt copies: only the first of each group writes
+            write &= rows.write_rows.repeat_interleave(num_new)
+        k_pool = self.key_cache[layer_idx].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_pool = self.value_cache[layer_idx].view(-1, num_kv_heads, head_dim)
+        # [B, Hkv, T, D] -> [B*T, Hkv, D]
+        k_new = key_states.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+        v_new = value_states.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
+        k_pool[new_slots[write]] = k_new[write].to(k_pool.dtype)
+        v_pool[new_slots[write]] = v_new[write].to(v_pool.dtype)
+        valid = (slots >= 0)[:, :, None, None]
+        gather = slots.clamp(min=0)
+        # [B, L] slots -> [B, L, Hkv, D] -> [B, Hkv, L, D]
+        # NOTE: where, not a multiply: never-written slots may hold NaN from torch.empty.
+        keys = torch.where(valid, k_pool[gather], 0.0).transpose(1, 2)
+        values = torch.where(valid, v_pool[gather], 0.0).transpose(1, 2)
+        if layer_idx == self.num_layers - 1:
+            rows.write_rows = None
+        return keys, values
+
+    def _start(self, key_states: torch.Tensor) -> "_GenerateRows":
+        """Open one sequence per row at the first ``update``; copies of one prompt (``generate()`` expanded
+        the batch with ``repeat_interleave``) are detected from equal K and share the first copy's blocks."""
+        batch = key_states.shape[0]
+        hint = self._pad_hint or [0] * batch
+        if batch % len(hint):
+            raise ValueError(f"generate() batch of {batch} rows does not fit the padding of {len(hint)} rows given to set_prompt_padding")
+        group = batch // len(hint)
+        pad_lens = [p for p in hint for _ in range(group)]
+        seq_ids = [next(_generate_seq_ids) for _ in range(batch)]
+        leaders = list(range(batch))
+        if group > 1:
+            for b in range(batch):
+                first = b - b % group
+                if b != first and torch.equal(key_states[b], key_states[first]):
+                    leaders[b] = first
+        return _GenerateRows(seq_ids, pad_lens, leaders, [0] * self.num_layers)
+
+    def _grant(self, num_new: int) -> None:
+        """Grow every row's block table by ``num_new`` dense positions and rebuild ``slot_index``."""
+        rows, bm = self._rows, self.block_manager
+        old_dense = rows.num_dense
+        rows.num_dense += num_new
+        copies = []
+        for b, seq_id in enumerate(rows.seq_ids):
+            before, after = max(0, old_dense - rows.pad_lens[b]), max(0, rows.num_dense - rows.pad_lens[b])
+            leader = rows.leaders[b]
+            if leader != b and before == 0:
+                bm.fork(rows.seq_ids[leader], seq_id)  # the prompt by reference
+                continue
+            if after > before:
+                granted = bm.allocate_slots(seq_id, before, after - before)
+                if granted is None:
+                    raise RuntimeError(
+                        f"PagedCache pool exhausted: {bm.num_blocks} blocks of {bm.block_size} tokens, "
+                        f"{bm.num_free_blocks} free; build it with more num_blocks"
+                    )
+                copies.extend(granted)
+        self.copy_blocks(copies)
+        rows.write_rows = (
+            torch.tensor([leader == b for b, leader in enumerate(rows.leaders)], device=self.key_cache[0].device)
+            if any(leader != b for b, leader in enumerate(rows.leaders)) and old_dense == 0 else None
+        )
+        if old_dense == 0:
+            rows.leaders = list(range(len(rows.seq_ids)))
+        self._build_slot_index()
+
+    def _build_slot_index(self) -> None:
+        rows, bm = self._rows, self.block_manager
+        device = self.key_cache[0].device
+        tables = [bm.block_tables.get(seq_id, []) for seq_id in rows.seq_ids]
+        width = max(1, max(len(t) for t in tables))
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
+        pad = torch.tensor(rows.pad_lens, dtype=torch.int64, device=device)
+        real = torch.arange(rows.num_dense, device=device)[None, :] - pad[:, None]  # [B, num_dense]
+        block = block_tables.gather(1, real.clamp(min=0) // bm.block_size)
+        slots = block * bm.block_size + real.clamp(min=0) % bm.block_size
+        rows.slot_index = torch.where(real >= 0, slots, -1)
+
+    def _select_rows(self, indices: list[int]) -> None:
+        """New row ``i`` continues old row ``indices[i]``: block tables are shared by reference (ref counts
+        up), the old tables released. A later write into a shared block copies it first."""
+        rows, bm = self._rows, self.block_manager
+        new_ids = [next(_generate_seq_ids) for _ in indices]
+        for new_id, old in zip(new_ids, indices):
+            if rows.seq_ids[old] in bm.block_tables:
+                bm.fork(rows.seq_ids[old], new_id)
+        for seq_id in rows.seq_ids:
+            bm.free(seq_id)
+        rows.seq_ids = new_ids
+        rows.pad_lens = [rows.pad_lens[i] for i in indices]
+        rows.leaders = list(range(len(indices)))
+        self._build_slot_index()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues row ``beam_idx[i]`` (block tables remapped, no K/V copied)."""
+        if self._rows is not None:
+            self._select_rows([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (in that order)."""
+        if self._rows is not None:
+            self._select_rows([int(i) for i in indices.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times (by reference)."""
+        if self._rows is not None:
+            self._select_rows([b for b in range(len(self._rows.seq_ids)) for _ in range(repeats)])
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` dense positions (negative: drop ``-max_length`` from the end);
+        blocks past the kept tokens are released."""
+        if self._rows is None:
+            return
+        rows, bm = self._rows, self.block_manager
+        if max_length < 0:
+            max_length = rows.num_dense + max_length
+        if max_length >= rows.num_dense:
+            return
+        max_length = max(0, max_length)
+        for b, seq_id in enumerate(rows.seq_ids):
+            table = bm.block_tables.get(seq_id)
+            if table is None:
+                continue
+            keep = bm.blocks_for(max(0, max_length - rows.pad_lens[b]))
+            # NOTE: BlockManager has no truncate; release the tail blocks the way free() does.
+            for block_id in reversed(table[keep:]):
+                bm._release(block_id)
+            del table[keep:]
+        rows.num_dense = max_length
+        rows.layer_lens = [min(n, max_length) for n in rows.layer_lens]
+        self._build_slot_index()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Dense positions (left padding included) the layer has seen; what ``generate()`` calls past length."""
+        return 0 if self._rows is None else self._rows.layer_lens[layer_idx]
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the attention mask: all past positions plus the query, offset 0."""
+        if isinstance(query_length, torch.Tensor):  # some versions pass cache_position [query_length]
+            query_length = query_length.shape[0]
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1  # grows block by block; no fixed maximum
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self._rows is None else len(self._rows.seq_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"num_used_blocks={self.block_manager.num_used_blocks})"
+        )
+
+
+# NOTE: negative ids, so generate() rows can never collide with the engine's Sequence ids (>= 0).
+_generate_seq_ids = itertools.count(-1, -1)
+
+
+class _GenerateRows:
+    """Per-row state of one ``generate()`` call on a ``PagedCache``."""
+
+    __slots__ = ("seq_ids", "pad_lens", "leaders", "layer_lens", "num_dense", "slot_index", "write_rows")
+
+    def __init__(self, seq_ids: list[int], pad_lens: list[int], leaders: list[int], layer_lens: list[int]):
+        self.seq_ids = seq_ids  # block-manager sequence id of each row
+        self.pad_lens = pad_lens  # left-padding positions of each row (never stored)
+        self.leaders = leaders  # row whose prompt blocks this row shares (itself if none), prefill only
+        self.layer_lens = layer_lens  # dense positions each layer has stored
+        self.num_dense = 0  # dense positions granted (max of layer_lens)
+        self.slot_index: torch.Tensor | None = None  # [batch, num_dense] int64 slot, -1 = padding
+        self.write_rows: torch.Tensor | None = None  # [batch] bool, rows that write this step (prefill forks)
