@@ -31,7 +31,8 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill + decode) in one step (the token budget).
         enable_chunked_prefill: split prompts longer than the remaining token budget across steps.
             When False, a prompt longer than ``max_num_batched_tokens`` is rejected.
-        enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
+        enable_prefix_caching: reuse the K/V of full blocks whose tokens (and everything before them)
+            match an earlier request's; freed blocks stay reusable until evicted (LRU). On by default.
         attention_backend: ``"auto"``, ``"triton"`` or ``"torch"`` (parsed into ``AttentionBackend``).
 
     Raises:
@@ -56,7 +57,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     attention_backend: AttentionBackend | str = AttentionBackend.AUTO
 
     CPU_DEFAULT_KV_BYTES = 1 << 30

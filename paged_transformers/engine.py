@@ -5,6 +5,7 @@ the batch and runs the model -> sampler -> scheduler appends tokens, checks stop
 outputs.
 """
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from .attention import ATTENTION_NAME, resolve_backend
 from .cache import PagedCache
 from .config import EngineConfig
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .prefix_cache import CacheStats
 from .runner import ModelRunner
 from .sampling import Sampler
 from .sampling_params import SamplingParams
@@ -171,14 +173,16 @@ class LLMEngine:
             sampling_params: default ``SamplingParams()``.
 
         Raises:
-            ValueError: a duplicate ``request_id`` or a bad prompt (``validate_prompt``); nothing is
-                queued or allocated then.
+            ValueError: a duplicate ``request_id``, ``n > max_num_seqs`` or a bad prompt
+                (``validate_prompt``); nothing is queued or allocated then.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the n sequences run together")
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
         seqs = []
@@ -192,8 +196,10 @@ class LLMEngine:
             request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, sampling_params, seqs,
             RequestMetrics(arrival_time=time.perf_counter()),
         )
-        for seq in seqs:
-            self.scheduler.add(seq)
+        # n > 1: only the first sequence computes the prompt; the others fork from it by reference
+        # when its prompt is done (copy-on-write), each sampling its own first token (scheduler.py).
+        seqs[0].pending_forks = seqs[1:]
+        self.scheduler.add(seqs[0])
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks are freed. Unknown ids are ignored (it may have finished)."""
@@ -222,6 +228,7 @@ class LLMEngine:
 
         logits = self.runner.execute(plan)
         sample_seqs = [seq for i, seq in enumerate(plan.seqs) if plan.samples(i)]
+        logits, sample_seqs = _with_pending_forks(logits, sample_seqs)
         results = self.sampler.sample(logits, sample_seqs) if sample_seqs else []
 
         sampled: dict[int, int] = {}
@@ -248,6 +255,30 @@ class LLMEngine:
                 del self.requests[request_id]
             outputs.append(output)
         return outputs
+
+    # -- prefix cache and metrics -----------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after the model's weights changed).
+
+        Returns:
+            True when the cache was emptied; False, changing nothing, while requests hold blocks
+            (finish or abort them first: their K/V would be as stale as the cache's).
+        """
+        return self.cache.block_manager.reset_prefix_cache()
+
+    def stats(self) -> CacheStats:
+        """KV pool and prefix-cache counters since the engine started (``CacheStats``): prefix-cache
+        hit rate (prompt tokens served from cache / prompt tokens), blocks shared (n > 1 forks and
+        cache hits), blocks used, evictions, preemptions."""
+        bm = self.cache.block_manager
+        stats = copy.copy(self.scheduler.stats)
+        stats.num_used_blocks = bm.num_used_blocks
+        stats.peak_num_used_blocks = max(self.peak_num_used_blocks, bm.num_used_blocks)
+        stats.num_shared_blocks = bm.num_shared_blocks
+        stats.peak_num_shared_blocks = bm.peak_num_shared_blocks
+        stats.num_cached_blocks = bm.num_cached_blocks
+        stats.num_evicted_blocks = bm.num_evicted_blocks
+        return stats
 
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
         sp = seq.sampling_params
@@ -298,6 +329,17 @@ class LLMEngine:
             finished=all(seq.is_finished for seq in request.seqs),
             metrics=request.metrics,
         )
+
+
+def _with_pending_forks(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+    """n > 1: a sequence sampled for the first time brings its ``pending_forks``; each fork samples from a
+    copy of its row (``logits [len(seqs), vocab]`` -> ``[len(seqs) + num_forks, vocab]``), with its own
+    generator when seeded."""
+    rows = [i for i, seq in enumerate(seqs) for _ in seq.pending_forks]
+    if not rows:
+        return logits, seqs
+    forks = [fork for seq in seqs for fork in seq.pending_forks]
+    return torch.cat([logits, logits[rows]]), seqs + forks
 
 
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -1,12 +1,23 @@
 """Iteration-level scheduler: which sequences run in the next step, and with how many tokens.
 
-One rule covers prefill, chunked prefill, decode and resume after preemption: each step gives a
-sequence ``min(num_tokens - num_computed_tokens, remaining budget)`` tokens (vLLM V1's scheduler;
-Yu et al., "Orca", OSDI 2022, for iteration-level scheduling). Running sequences go first, in
-arrival order; waiting ones join while the token budget (``max_num_batched_tokens``), the sequence
-limit (``max_num_seqs``) and the free blocks allow. When a running sequence needs a block and none is
-free, the most recently admitted running sequence is preempted by recompute: its blocks are freed,
-``num_computed_tokens`` goes back to 0, and it waits at the front of the queue.
+One rule covers prefill, chunked prefill, decode, prefix-cache hits and resume after preemption:
+each step gives a sequence ``min(num_tokens - num_computed_tokens, remaining budget)`` tokens (vLLM
+V1's scheduler; Yu et al., "Orca", OSDI 2022, for iteration-level scheduling). Running sequences go
+first, in arrival order; waiting ones join while the token budget (``max_num_batched_tokens``), the
+sequence limit (``max_num_seqs``) and the free blocks allow. When a running sequence needs a block
+and none is free, the most recently admitted running sequence is preempted by recompute: its blocks
+are freed, ``num_computed_tokens`` goes back to 0, and it waits at the front of the queue.
+
+Prefix caching (``enable_prefix_caching``): a sequence admitted with ``num_computed_tokens == 0``
+first takes the longest run of cached full blocks matching its tokens and starts at
+``num_computed_tokens = min(hits * block_size, num_tokens - 1)``: at least its last token is
+computed, so there are logits to sample from. After each step, blocks that became full are offered
+to the cache. A preempted sequence therefore resumes from its cached blocks unless they were evicted.
+
+n > 1 sampling: a request's first sequence carries the other ``n - 1`` in ``pending_forks``. When its
+prompt is done, ``update_from_output`` forks them: they take its blocks by reference (copy-on-write on
+the first write into the shared last block) and their own first token, sampled from the same logits
+row. Admission reserves their ``max_num_seqs`` seats up front.
 """
 
 from collections import deque
@@ -15,6 +26,7 @@ from typing import Callable
 
 from .block_manager import BlockCopy, BlockManager
 from .config import EngineConfig
+from .prefix_cache import CacheStats, extend_block_hashes
 from .sequence import Sequence, SequenceStatus
 
 
@@ -42,7 +54,8 @@ class Scheduler:
     """Waiting and running queues over one ``BlockManager``.
 
     Args:
-        config: the engine limits (``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill).
+        config: the engine limits (``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill,
+            prefix caching).
         block_manager: the pool the scheduled sequences draw blocks from.
         check_stop: called after a token is appended; returns the finished status or None.
     """
@@ -58,6 +71,7 @@ class Scheduler:
         self.check_stop = check_stop
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.stats = CacheStats(num_blocks=block_manager.num_blocks)  # request and preemption counters
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -94,15 +108,15 @@ class Scheduler:
             i += 1
 
         # NOTE: no admissions in a step that had to preempt: the pool is full.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = sum(1 + len(s.pending_forks) for s in self.running)  # n > 1: forks hold their seats early
+        while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            num_new = min(remaining, budget)
-            if num_new < remaining and not self.config.enable_chunked_prefill:
+            if seats + 1 + len(seq.pending_forks) > self.config.max_num_seqs:
                 break
-            granted = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
-            if granted is None:
+            admitted = self._admit(seq, budget)
+            if admitted is None:
                 break
+            num_new, granted = admitted
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -110,36 +124,72 @@ class Scheduler:
             counts.append(num_new)
             copies.extend(granted)
             budget -= num_new
+            seats += 1 + len(seq.pending_forks)
 
         out = SchedulerOutput(seqs, counts, copies, preempted)
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, (
             f"scheduled {out.total_num_scheduled_tokens} tokens over the budget {self.config.max_num_batched_tokens}"
         )
-        assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
+        assert seats <= self.config.max_num_seqs, f"{seats} running sequences and forks > max_num_seqs"
         return out
+
+    def _admit(self, seq: Sequence, budget: int) -> tuple[int, list[BlockCopy]] | None:
+        """Grant a waiting sequence its blocks (prefix-cache hits first). Returns (num_new, copies), or
+        None when it does not fit this step (then nothing changed)."""
+        num_computed, hits = seq.num_computed_tokens, []
+        if self.config.enable_prefix_caching and num_computed == 0:
+            bm = self.block_manager
+            hits = bm.find_cached_prefix(extend_block_hashes(seq.block_hashes, seq.token_ids, bm.block_size))
+            num_computed = min(len(hits) * bm.block_size, seq.num_tokens - 1)
+        remaining = seq.num_tokens - num_computed
+        num_new = min(remaining, budget)
+        if num_new < remaining and not self.config.enable_chunked_prefill:
+            return None
+        granted = self.block_manager.allocate_slots(seq.seq_id, num_computed, num_new, cached_blocks=hits)
+        if granted is None:
+            return None
+        if seq.num_preemptions == 0 and seq.num_computed_tokens == 0 and seq.num_output_tokens == 0:
+            seq.num_cached_tokens = num_computed
+            self.stats.num_requests += 1
+            self.stats.num_prompt_tokens += seq.num_prompt_tokens
+            self.stats.num_cached_tokens += num_computed
+        seq.num_computed_tokens = num_computed
+        return num_new, granted
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Apply a finished step: advance ``num_computed_tokens``, append sampled tokens, check stops.
+        """Apply a finished step: advance ``num_computed_tokens``, cache full blocks, fork n > 1
+        sequences whose prompt is done, append sampled tokens, check stops.
 
         Args:
             out: the step's plan.
-            sampled: seq_id -> the token sampled for it, for each sequence that ``out.samples``.
+            sampled: seq_id -> the token sampled for it, for each sequence that ``out.samples``, and
+                for the ``pending_forks`` of each of those whose prompt is done.
 
         Returns:
             The sequences that finished in this step; their blocks are already freed.
         """
         finished = []
-        for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
-            if seq.is_finished:  # aborted during the step
+        for i, (seq, num_new) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            forks = seq.pending_forks if out.samples(i) else []
+            if forks:
+                seq.pending_forks = []
+            if seq.is_finished:  # aborted during the step, or its sampling failed
+                finished += self._start_forks(seq, forks, sampled)
                 continue
             seq.num_computed_tokens += num_new
+            if self.config.enable_prefix_caching:
+                bm = self.block_manager
+                bm.cache_full_blocks(seq.seq_id, extend_block_hashes(seq.block_hashes, seq.token_ids, bm.block_size),
+                                     seq.num_computed_tokens)
+            finished += self._start_forks(seq, forks, sampled)
             if seq.seq_id not in sampled:
                 continue
             seq.token_ids.append(sampled[seq.seq_id])
@@ -147,6 +197,32 @@ class Scheduler:
             if status is not None:
                 self.finish(seq, status)
                 finished.append(seq)
+        return finished
+
+    def _start_forks(self, parent: Sequence, forks: list[Sequence], sampled: dict[int, int]) -> list[Sequence]:
+        """Start the n > 1 forks of a parent whose prompt was just computed. Each shares the parent's
+        blocks by reference and appends its own first token; if the parent no longer holds blocks
+        (its sampling failed), a fork waits to compute the prompt itself. Returns the forks that
+        finished at once."""
+        finished = []
+        for child in forks:
+            if child.is_finished:  # aborted, or its own sampling failed
+                continue
+            assert child.num_tokens == parent.num_prompt_tokens == parent.num_computed_tokens or parent.is_finished
+            if parent.is_finished:
+                child.num_computed_tokens = 0
+                self.waiting.appendleft(child)
+            else:
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.block_hashes = list(parent.block_hashes)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            child.token_ids.append(sampled[child.seq_id])
+            status = self.check_stop(child)
+            if status is not None:
+                self.finish(child, status)
+                finished.append(child)
         return finished
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

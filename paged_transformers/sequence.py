@@ -71,6 +71,10 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.error: BaseException | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.block_hashes: list[bytes] = []  # hashes of the full blocks of token_ids (prefix caching)
+        # n > 1: the request's other sequences; they fork from this one when its prompt is done
+        self.pending_forks: list[Sequence] = []
 
     @property
     def num_tokens(self) -> int:
