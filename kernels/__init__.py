@@ -7,9 +7,17 @@ Cache layout, per layer (vLLM's flash layout)::
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot = block_id * block_size + offset          (slot_mapping entries, int64; -1 = skip)
+
+| function (Triton) / reference (PyTorch) | what | module |
+|---|---|---|
+| ``reshape_and_cache`` / ``reshape_and_cache_ref`` | write a step's K/V into its slots | ``cache_ops`` |
+| ``paged_attention`` / ``paged_attention_ref`` | ragged prefill + decode attention, split-KV decode | ``paged_attention`` |
+
+Importing this package imports neither triton nor a ``@triton.jit`` kernel: they load on the first
+launch (see ``_launch.py`` for why).
 """
 
-from .cache_ops import reshape_and_cache_ref
-from .paged_attention import paged_attention_ref
+from .cache_ops import reshape_and_cache, reshape_and_cache_ref
+from .paged_attention import paged_attention, paged_attention_ref
 
-__all__ = ["reshape_and_cache_ref", "paged_attention_ref"]
+__all__ = ["reshape_and_cache", "reshape_and_cache_ref", "paged_attention", "paged_attention_ref"]

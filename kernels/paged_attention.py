@@ -14,9 +14,249 @@ The K/V of the whole context, new tokens included, are read from the cache throu
 
 Scores are ``scale * q.k``, then ``softcap * tanh(score / softcap)`` when a softcap is given
 (Gemma-2), then softmax over the allowed keys; the softmax is computed in float32.
+
+``paged_attention`` launches the Triton kernels of ``unified_attention.py``; ``paged_attention_ref``
+is the PyTorch reference (and the ``"torch"`` backend). Launch plan of the Triton path::
+
+    grid (num_q_tiles, num_kv_heads, num_kv_splits)      one query tile x one KV head per program
+      num_q_tiles = num_seqs                              if max_query_len <= BLOCK_Q (decode)
+                  = num_tokens // BLOCK_Q + num_seqs      otherwise (an upper bound; spare tiles exit)
+      num_kv_splits > 1 (flash-decoding): each program covers 1/num_kv_splits of its sequence's KV
+      tiles and writes fp32 partials; a second kernel merges them by log-sum-exp.
 """
 
+from dataclasses import dataclass
+
 import torch
+
+from ._launch import cdiv, check_device, load_triton_kernels, next_power_of_2, num_sms
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# Flash-decoding split heuristic: aim for SPLIT_PROGRAMS_PER_SM programs per multiprocessor, but give
+# each split at least MIN_KEYS_PER_SPLIT keys (fewer would spend more on the merge than they save).
+SPLIT_PROGRAMS_PER_SM = 4
+MIN_KEYS_PER_SPLIT = 256
+MAX_KV_SPLITS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Tile shape and launch knobs of ``_unified_attention_kernel``.
+
+    ``block_m`` rows per program = ``block_q`` query rows x ``G`` query heads of one KV head (rows
+    past ``block_q * G`` are masked); ``tile_n`` keys per KV tile (any size: keys are gathered one
+    by one through the block table, so a tile may span several blocks or part of one).
+    """
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(max_query_len: int, num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> KernelConfig:
+    """Tile shape for a batch whose longest query chunk is ``max_query_len`` rows.
+
+    Decode (``max_query_len * G <= 16``) gets 16 rows, the smallest ``tl.dot`` tile; prefill gets
+    128 rows (64 for head_dim > 128 or fp32, to stay within registers and shared memory).
+    """
+    d_pad = next_power_of_2(head_dim)
+    wide = d_pad > 128 or dtype == torch.float32
+    max_m = 64 if wide else 128
+    block_m = min(max(16, next_power_of_2(max_query_len * num_queries_per_kv)), max_m)
+    block_m = max(block_m, next_power_of_2(num_queries_per_kv))  # at least one query row
+    tile_n = 32 if wide else 64
+    return KernelConfig(block_m=block_m, tile_n=tile_n, num_warps=8 if block_m >= 128 else 4,
+                        num_stages=2 if wide else 3)
+
+
+def pick_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits of each sequence's KV range for a decode batch, from host ints only (graph-safe).
+
+    Enough programs to give every multiprocessor ``SPLIT_PROGRAMS_PER_SM`` of them, with at least
+    ``MIN_KEYS_PER_SPLIT`` keys per split: batch 1 x 8 KV heads x 32k context on 132 SMs -> 66
+    splits of ~500 keys; batch 64 x 8 KV heads -> 1 (512 programs already).
+    """
+    programs = max(num_seqs * num_kv_heads, 1)
+    want = cdiv(SPLIT_PROGRAMS_PER_SM * num_sms(device), programs)
+    return max(1, min(want, cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), MAX_KV_SPLITS))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Paged attention for a ragged batch of prefill chunks and decode tokens (Triton kernels).
+
+    Same contract as ``paged_attention_ref``. With ``max_query_len`` and ``max_seq_len`` given the
+    call reads nothing back from the device (no host sync), so a decode step can be captured in a
+    CUDA graph; the grid depends only on host ints (tensor shapes and those two bounds). For
+    fixed-capacity buffers, sequences with ``q_len == 0`` are skipped and rows past
+    ``query_start_loc[num_seqs]`` are left unwritten.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]`` fp16/bf16/fp32, stride 1 on ``head_dim``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, query's dtype,
+            contiguous; ``num_heads % num_kv_heads == 0``; ``head_dim <= 256`` (any value: padded to a
+            power of two by masking).
+        block_tables: ``[num_seqs, max_num_blocks_per_seq]`` int32, stride 1 on the last dim.
+        seq_lens: ``[num_seqs]`` int32, context in tokens including this step's queries.
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query rows.
+        scale: multiplier of ``q.k``.
+        sliding_window: window in tokens (transformers' convention: position ``p`` sees ``p - W + 1 .. p``).
+        softcap: logit soft-capping; None or 0 disables it.
+        max_query_len, max_seq_len: host upper bounds (tokens) of any sequence's query rows and
+            context; computed from the tensors (a host sync) when None. ``max_query_len`` picks the
+            tile shape and ``max_seq_len`` the number of KV splits, so upper bounds are fine.
+        out: optional output ``[num_tokens, num_heads, head_dim]``, query's dtype, stride 1 on ``head_dim``.
+        num_kv_splits: split each sequence's KV range over this many programs (flash-decoding);
+            default ``pick_num_kv_splits`` when every sequence's queries fit one tile (decode), else 1.
+
+    Returns:
+        ``out`` (or a new tensor) ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
+
+    Raises:
+        ValueError: a malformed argument (the message names it and what is allowed).
+        RuntimeError: CPU tensors without the Triton interpreter (``TRITON_INTERPRET=1``).
+    """
+    _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None and not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a Python number, got {type(value).__name__}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"softcap must be >= 0 or None, got {softcap}")
+    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits <= 0):
+        raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:  # host syncs, only when the caller did not give the bounds
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if max_query_len == 0:
+        return out
+    num_queries_per_kv = num_heads // num_kv_heads
+    cfg = pick_config(max_query_len, num_queries_per_kv, head_dim, query.dtype)
+    block_q = cfg.block_m // num_queries_per_kv
+    one_tile_per_seq = max_query_len <= block_q
+    if num_kv_splits is None:
+        num_kv_splits = pick_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if one_tile_per_seq else 1
+    launch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, float(scale),
+                     sliding_window, softcap if softcap else None, one_tile_per_seq, num_kv_splits, cfg)
+    return out
+
+
+def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
+                     sliding_window, softcap, one_tile_per_seq, num_kv_splits, cfg: KernelConfig) -> None:
+    """Launch the kernel(s) on validated inputs with an explicit config (``paged_attention`` and benchmarks)."""
+    kernels = load_triton_kernels("unified_attention", query.device)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    num_queries_per_kv = num_heads // num_kv_heads
+    block_q = cfg.block_m // num_queries_per_kv
+    d_pad = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    # Sequence s owns tiles query_start_loc[s] // block_q + s ...: at most num_tokens // block_q + num_seqs.
+    num_q_tiles = num_seqs if one_tile_per_seq else num_tokens // block_q + num_seqs
+    split = num_kv_splits > 1
+    if split:
+        part_out = torch.empty((num_tokens, num_heads, num_kv_splits, d_pad), dtype=torch.float32, device=query.device)
+        part_ml = torch.empty((num_tokens, num_heads, num_kv_splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_ml = out  # unused
+    kernels._unified_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
+        out, part_out, part_ml, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        num_seqs, scale, softcap or 1.0, sliding_window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, ONE_TILE_PER_SEQ=one_tile_per_seq,
+        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        SPLIT=split, NUM_SPLITS=num_kv_splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # NOTE: Triton 3.9's interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits;
+        # on CPU (interpreter only) bf16 operands are widened to fp32 before each dot.
+        UPCAST_DOT=query.device.type != "cuda" and query.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        kernels._merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_ml, query_start_loc, num_seqs, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_kv_splits,
+            SPLITS_PAD=next_power_of_2(num_kv_splits), num_warps=4,
+        )
+
+
+def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out) -> None:
+    """Raise ``ValueError`` naming the first malformed tensor argument of ``paged_attention``."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
+    if query.dtype not in _DTYPES:
+        raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, but query has {query.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if query.stride(2) != 1:
+        raise ValueError(f"query needs stride 1 on head_dim, got strides {query.stride()}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError(
+            f"block_tables must be int32 [num_seqs, max_num_blocks_per_seq] with stride 1 on the last dim, got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)} strides {block_tables.stride()}"
+        )
+    num_seqs = block_tables.shape[0]
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (num_seqs,) or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be contiguous int32 [num_seqs={num_seqs}], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if (query_start_loc.dtype != torch.int32 or tuple(query_start_loc.shape) != (num_seqs + 1,)
+            or not query_start_loc.is_contiguous()):
+        raise ValueError(f"query_start_loc must be contiguous int32 [num_seqs + 1 = {num_seqs + 1}], got "
+                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1):
+        raise ValueError(f"out must be {query.dtype} {tuple(query.shape)} with stride 1 on head_dim, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    tensors = dict(query=query, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
+                   query_start_loc=query_start_loc)
+    if out is not None:
+        tensors["out"] = out
+    check_device(key_cache.device, **tensors)
+
 
 
 def paged_attention_ref(

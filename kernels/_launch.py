@@ -1,0 +1,67 @@
+"""Helpers shared by the launch wrappers of ``cache_ops`` and ``paged_attention``.
+
+NOTE: the Triton kernel modules (``cache_kernels``, ``unified_attention``) are imported on the first
+launch, not with this package. Triton decides between compiling and interpreting when a kernel is
+*defined* (from ``TRITON_INTERPRET``), so an early import, e.g. by another kernel module of this
+package, must not fix that choice; and the PyTorch references must work without triton installed.
+"""
+
+import functools
+import importlib
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the first tensor that is not on ``device``."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} (the cache's device)")
+
+
+def load_triton_kernels(module: str, device: torch.device):
+    """Import the kernel module ``module`` of this package, checking that it can run on ``device``.
+
+    Raises:
+        RuntimeError: triton is not installed, or ``device`` is not CUDA and the kernels were not
+            defined under the interpreter (``TRITON_INTERPRET=1`` set before their first use).
+    """
+    try:
+        mod = importlib.import_module(f".{module}", __package__)
+    except ImportError as e:
+        raise RuntimeError(f"the Triton kernels need the triton package: {e}") from e
+    if device.type != "cuda":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not all(isinstance(k, InterpretedFunction) for k in _kernels_of(mod)):
+            raise RuntimeError(
+                f"Triton kernels need CUDA tensors, got {device}; to run them on the CPU set TRITON_INTERPRET=1 "
+                "before the first Triton launch of paged_transformers.kernels in this process (or use the PyTorch "
+                "reference, attention_backend='torch')"
+            )
+    return mod
+
+
+def _kernels_of(mod) -> list:
+    """The ``@triton.jit`` objects of a kernel module (compiled or interpreted)."""
+    from triton.runtime.jit import KernelInterface
+
+    return [v for v in vars(mod).values() if isinstance(v, KernelInterface)]
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 stands in for the interpreter on CPU."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
