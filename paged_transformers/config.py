@@ -34,6 +34,8 @@ class EngineConfig:
         enable_prefix_caching: reuse the K/V of full blocks whose tokens (and everything before them)
             match an earlier request's; freed blocks stay reusable until evicted (LRU). On by default.
         attention_backend: ``"auto"``, ``"triton"`` or ``"torch"`` (parsed into ``AttentionBackend``).
+        enforce_eager: never use CUDA graphs; by default decode-only steps on CUDA replay a graph captured
+            per batch-size bucket at engine start (only with a backend that can be captured: Triton).
 
     Raises:
         ValueError: a field out of range, naming the field and the value.
@@ -59,6 +61,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackend | str = AttentionBackend.AUTO
+    enforce_eager: bool = False
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
 

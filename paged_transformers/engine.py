@@ -104,9 +104,15 @@ class LLMEngine:
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         write_kv, attend = resolve_backend(self.config.attention_backend, device)
-        self.runner = ModelRunner(model, self.cache, write_kv, attend)
+        self.runner = ModelRunner(
+            model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
+            use_cuda_graphs=not self.config.enforce_eager,
+        )
+        self.runner.capture_graphs()
         self.requests: dict[str, _Request] = {}
         self.peak_num_used_blocks = 0
+        self.stream_text = False  # True: unfinished outputs carry their text so far (decoded every step)
         self.device = device
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -305,8 +311,11 @@ class LLMEngine:
 
     def _make_output(self, request: _Request) -> RequestOutput:
         completions = []
+        finished = all(seq.is_finished for seq in request.seqs)
         for seq in request.seqs:
-            text = self._decode(seq.output_token_ids)
+            # NOTE: decoding the whole output again every step is O(length) per request per step, the
+            # largest host cost at big batches; unfinished requests get text only when streaming asks.
+            text = self._decode(seq.output_token_ids) if finished or self.stream_text else ""
             if isinstance(seq.stop_reason, str):
                 text = text[: text.find(seq.stop_reason)]
             completions.append(
@@ -326,7 +335,7 @@ class LLMEngine:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
-            finished=all(seq.is_finished for seq in request.seqs),
+            finished=finished,
             metrics=request.metrics,
         )
 

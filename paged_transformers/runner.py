@@ -1,10 +1,74 @@
-"""Turns a ``SchedulerOutput`` into one ragged, unpadded batch and runs the unmodified model forward."""
+"""Turns a ``SchedulerOutput`` into one ragged, unpadded batch and runs the unmodified model forward.
 
+Step overhead is what decides throughput once the kernels are fast, so the runner keeps every step's
+metadata in buffers allocated once (vLLM's persistent input buffers; nano-vllm's ``prepare_decode``):
+
+    host (pinned, numpy views)  --one non_blocking copy per field-->  device buffers (max sizes)
+
+and builds them with numpy over whole arrays instead of Python loops over tokens. Decode-only steps
+(every sequence one token, every sequence sampled) replay a CUDA graph captured once per batch-size
+bucket on those same static buffers; mixed and prefill steps run eagerly (CUDA graphs: NVIDIA's
+``cudaGraphLaunch``; bucketed capture as in vLLM's ``CUDAGraphRunner``).
+"""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from .attention import ATTENTION_NAME, AttentionMetadata
 from .cache import PagedCache
 from .scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# NOTE: vLLM's bucket ladder: every size up to 4, then multiples of 8 up to 16 and of 16 after it. A
+# decode step at batch S runs the smallest bucket >= S; the padding rows cost compute only (their
+# weights are read anyway), and decode is bandwidth-bound, so coarse buckets above 16 are nearly free.
+_SMALL_BUCKETS = (1, 2, 4, 8)
+_BUCKET_STRIDE = 16
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes (sequences) a decode CUDA graph is captured for, ascending; the last is ``max_num_seqs``.
+
+    Raises:
+        ValueError: ``max_num_seqs`` not positive.
+    """
+    if max_num_seqs <= 0:
+        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+    sizes = [s for s in _SMALL_BUCKETS if s < max_num_seqs]
+    sizes += [s for s in range(_BUCKET_STRIDE, max_num_seqs, _BUCKET_STRIDE)]
+    sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """One executed step, recorded when ``ModelRunner.record_steps`` is set (for the bench).
+
+    ``start``/``end`` are CUDA events around the step's device work (metadata copies to logits); on CPU
+    they are None and the host times stand in.
+    """
+
+    kind: str  # "graph" (decode replay) or "eager"
+    num_tokens: int  # tokens in the step (unpadded)
+    num_seqs: int  # sequences in the step
+    num_context_tokens: int  # sum of seq_lens: KV tokens the attention reads
+    host_start: float  # time.perf_counter() at the start of execute (seconds)
+    host_end: float  # after the logits were produced (enqueued) (seconds)
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+
+    def device_time_s(self) -> float | None:
+        """Device time between the two events in seconds (synchronizes on ``end``); None on CPU."""
+        if self.start is None:
+            return None
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
 
 
 class ModelRunner:
@@ -12,75 +76,264 @@ class ModelRunner:
 
     The step's sequences are concatenated into a single row (no padding)::
 
-        input_ids    [1, num_tokens]   the scheduled tokens of seq 0, then seq 1, ...
-        position_ids [1, num_tokens]   each token's position in its own sequence (RoPE per token)
-        slot_mapping [num_tokens]      where each token's K/V is written
-        logits_indices [num_sampled]   the last row of each sequence that is sampled this step
+        input_ids      [1, num_tokens]   the scheduled tokens of seq 0, then seq 1, ...
+        position_ids   [1, num_tokens]   each token's position in its own sequence (RoPE per token)
+        slot_mapping   [num_tokens]      block_table[pos // block_size] * block_size + pos % block_size
+        block_tables   [num_seqs, max_num_blocks_per_seq]  int32, full width (entries past a sequence's
+                                         blocks are stale and ignored by the kernels)
+        seq_lens       [num_seqs]        context length including this step's tokens
+        query_start_loc [num_seqs + 1]   cumulative query rows
+        logits_indices [num_sampled]     the last row of each sequence that is sampled this step
 
     The model's LM head runs only on ``logits_indices`` (``logits_to_keep``).
+
+    A decode-only step of ``S`` sequences is padded to the graph bucket ``B >= S``: padding rows get
+    token 0 at position 0, ``slot_mapping = -1`` (nothing written), ``seq_len = 1`` (they attend to one
+    slot of a real block: finite, and never read back), and all ``B`` rows are kept for the LM head.
 
     Args:
         model: a transformers causal LM whose ``attn_implementation`` is ``ATTENTION_NAME``.
         cache: the paged cache the attention reads and writes.
         write_kv, attend: the attention backend's functions (``attention.resolve_backend``).
+        max_num_seqs, max_num_batched_tokens: engine limits (buffer sizes); default: the batch of the
+            biggest step seen is not bounded, so both must be given for the buffers (the engine does).
+        max_model_len: longest sequence in tokens (block-table width; the graphs' ``max_seq_len`` bound).
+        use_cuda_graphs: capture decode graphs. Honoured only on CUDA and with a backend that launches
+            without reading metadata on the host (the torch reference calls ``.tolist()``, which cannot be
+            captured); otherwise the runner stays eager.
+
+    Raises:
+        ValueError: a limit that is not positive.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: PagedCache, write_kv, attend):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        write_kv,
+        attend,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int = 4096,
+        use_cuda_graphs: bool = False,
+    ):
         assert model.config._attn_implementation == ATTENTION_NAME, model.config._attn_implementation
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         self.model = model
         self.cache = cache
         self.write_kv = write_kv
         self.attend = attend
         self.device = cache.key_cache[0].device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        # a decode step has num_seqs tokens, so the token buffers must hold the largest graph bucket too
+        self.max_num_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.max_num_blocks_per_seq = -(-max_model_len // cache.block_size)
+        self._alloc_buffers()
 
-    def prepare(self, out: SchedulerOutput) -> tuple[dict, torch.Tensor]:
-        """Build the forward's keyword arguments and the ``logits_indices [num_sampled]`` int64 tensor."""
+        from .kernels import paged_attention_ref
+
+        self.graphs_enabled = bool(use_cuda_graphs) and self.device.type == "cuda" and attend is not paged_attention_ref
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[int, torch.Tensor] = {}  # bucket -> static [1, bucket, vocab] output
+        self.graph_sizes = graph_batch_sizes(max_num_seqs) if self.graphs_enabled else []
+        self.graph_capture_error: str | None = None
+        self.record_steps = False
+        self.steps: list[StepTrace] = []
+
+    # -- buffers ----------------------------------------------------------------------------------
+    def _alloc_buffers(self) -> None:
+        """Pinned host staging (with numpy views) and device buffers of the maximum step sizes."""
+        pin = self.device.type == "cuda"
+        T, S, W = self.max_num_tokens, self.max_num_seqs, self.max_num_blocks_per_seq
+
+        def pair(shape, dtype):
+            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return host, host.numpy(), torch.zeros(shape, dtype=dtype, device=self.device)
+
+        self.input_ids_h, self.input_ids_np, self.input_ids = pair((T,), torch.int64)
+        self.positions_h, self.positions_np, self.positions = pair((T,), torch.int64)
+        self.slot_mapping_h, self.slot_mapping_np, self.slot_mapping = pair((T,), torch.int64)
+        self.seq_lens_h, self.seq_lens_np, self.seq_lens = pair((S,), torch.int32)
+        self.query_start_loc_h, self.query_start_loc_np, self.query_start_loc = pair((S + 1,), torch.int32)
+        self.logits_indices_h, self.logits_indices_np, self.logits_indices = pair((T,), torch.int64)
+        # block tables: host staging is compact [num_seqs, width] for the step's width; device is full width
+        self.block_tables_h, self.block_tables_np, _ = pair((S * W,), torch.int32)
+        self.block_tables = torch.zeros((S, W), dtype=torch.int32, device=self.device)
+
+    def _copy(self, host: torch.Tensor, dev: torch.Tensor, n: int) -> None:
+        dev[:n].copy_(host[:n], non_blocking=True)
+
+    # -- building a step --------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput, pad_to: int | None = None) -> tuple[int, int, int, int]:
+        """Fill the device buffers for ``out``; with ``pad_to`` (a decode step), pad it to that many rows.
+
+        Returns:
+            ``(num_tokens, num_sampled, max_query_len, max_seq_len)`` of the (padded) step.
+        """
+        seqs = out.seqs
+        S = len(seqs)
+        counts = np.fromiter(out.num_scheduled_tokens, dtype=np.int64, count=S)
+        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=S)
+        T = int(counts.sum())
+        assert T <= self.max_num_tokens and S <= self.max_num_seqs, (T, S, self.max_num_tokens, self.max_num_seqs)
+        seq_lens = starts + counts
+        qsl = self.query_start_loc_np
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1 : S + 1])
+
+        if T == S:  # every sequence one token: no slicing needed
+            self.input_ids_np[:T] = [seq.token_ids[s] for seq, s in zip(seqs, starts.tolist())]
+            positions = starts
+        else:
+            self.input_ids_np[:T] = list(itertools.chain.from_iterable(
+                seq.token_ids[s : s + n] for seq, s, n in zip(seqs, starts.tolist(), counts.tolist())
+            ))
+            # position of row r = r - (first row of its sequence) + (its sequence's num_computed_tokens)
+            positions = np.arange(T, dtype=np.int64) + np.repeat(starts - qsl[:S], counts)
+        self.positions_np[:T] = positions
+
         block_size = self.cache.block_size
         tables = self.cache.block_manager.block_tables
-        input_ids, positions, seq_index, seq_lens, starts, logits_indices = [], [], [], [], [0], []
-        for i, (seq, num_new) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + num_new])
-            positions.extend(range(start, start + num_new))
-            seq_index.extend([i] * num_new)
-            seq_lens.append(start + num_new)
-            starts.append(starts[-1] + num_new)
-            if out.samples(i):
-                logits_indices.append(starts[-1] - 1)
-        max_blocks = max(len(tables[seq.seq_id]) for seq in out.seqs)
-        block_tables = [tables[seq.seq_id] + [0] * (max_blocks - len(tables[seq.seq_id])) for seq in out.seqs]
+        seq_tables = [tables[seq.seq_id] for seq in seqs]
+        width = max(map(len, seq_tables))
+        assert width <= self.max_num_blocks_per_seq, (width, self.max_num_blocks_per_seq)
+        bt = self.block_tables_np[: S * width].reshape(S, width)
+        for i, table in enumerate(seq_tables):
+            bt[i, : len(table)] = table
+        seq_index = np.repeat(np.arange(S), counts) if T != S else np.arange(S)
+        self.slot_mapping_np[:T] = bt[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        self.seq_lens_np[:S] = seq_lens
 
-        def tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+        sampled = np.fromiter((out.samples(i) for i in range(S)), dtype=bool, count=S)
+        num_sampled = int(sampled.sum())
+        self.logits_indices_np[:num_sampled] = (qsl[1 : S + 1] - 1)[sampled]
+        max_query_len = int(counts.max())
+        max_seq_len = int(seq_lens.max())
 
-        block_tables_t = tensor(block_tables, torch.int32)
-        positions_t = tensor(positions, torch.int64)
-        seq_index_t = tensor(seq_index, torch.int64)
-        # slot of token t = block_tables[seq, pos // block_size] * block_size + pos % block_size
-        slot_mapping = block_tables_t[seq_index_t, positions_t // block_size].long() * block_size + positions_t % block_size
+        rows, seqs_n = T, S
+        if pad_to is not None and pad_to > S:
+            assert T == S and num_sampled == S, "only decode steps are padded"
+            self.input_ids_np[S:pad_to] = 0
+            self.positions_np[S:pad_to] = 0
+            self.slot_mapping_np[S:pad_to] = -1
+            self.seq_lens_np[S:pad_to] = 1
+            qsl[S + 1 : pad_to + 1] = np.arange(S + 1, pad_to + 1)
+            self.logits_indices_np[S:pad_to] = np.arange(S, pad_to)
+            rows = seqs_n = num_sampled = pad_to
+
+        for host, dev in ((self.input_ids_h, self.input_ids), (self.positions_h, self.positions),
+                          (self.slot_mapping_h, self.slot_mapping), (self.logits_indices_h, self.logits_indices)):
+            self._copy(host, dev, rows if host is not self.logits_indices_h else num_sampled)
+        self._copy(self.seq_lens_h, self.seq_lens, seqs_n)
+        self._copy(self.query_start_loc_h, self.query_start_loc, seqs_n + 1)
+        self.block_tables[:S, :width].copy_(self.block_tables_h[: S * width].view(S, width), non_blocking=True)
+        return rows, num_sampled, max_query_len, max_seq_len
+
+    def _forward(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int):
+        """The model forward on the first rows of the device buffers. Returns logits ``[1, num_sampled, vocab]``."""
         metadata = AttentionMetadata(
             cache=self.cache,
-            slot_mapping=slot_mapping,
-            block_tables=block_tables_t,
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(starts, torch.int32),
-            max_query_len=max(out.num_scheduled_tokens),
-            max_seq_len=max(seq_lens),
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.block_tables[:num_seqs],
+            seq_lens=self.seq_lens[:num_seqs],
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             write_kv=self.write_kv,
             attend=self.attend,
         )
-        kwargs = dict(
-            input_ids=tensor([input_ids], torch.int64),
-            position_ids=positions_t.unsqueeze(0),
+        return self.model(
+            input_ids=self.input_ids[:num_tokens].unsqueeze(0),
+            position_ids=self.positions[:num_tokens].unsqueeze(0),
             use_cache=False,
             paged_metadata=metadata,
-        )
-        return kwargs, tensor(logits_indices, torch.int64)
+            logits_to_keep=self.logits_indices[:num_sampled],
+        ).logits
 
+    # -- CUDA graphs --------------------------------------------------------------------------------
+    def _bucket(self, out: SchedulerOutput) -> int | None:
+        """The graph bucket for ``out`` if it is a decode-only step that a captured graph can run."""
+        if not self.graphs:
+            return None
+        S = len(out.seqs)
+        if S > self.graph_sizes[-1] or any(n != 1 for n in out.num_scheduled_tokens):
+            return None
+        if any(seq.num_computed_tokens + 1 != seq.num_tokens for seq in out.seqs):
+            return None  # a one-token chunk of a prompt: not sampled, so not a decode step
+        for size in self.graph_sizes:
+            if size >= S:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per bucket in ``graph_sizes``, largest first, sharing one memory pool.
+
+        Each capture runs the padded dummy step eagerly twice first (Triton JIT, cuBLAS workspaces), with
+        every ``slot_mapping`` entry -1, so the KV cache is not written. The graphs are recorded with
+        ``max_seq_len = max_model_len`` (a host-side upper bound the kernels size their grids from).
+        A failed capture leaves the runner eager and records the reason in ``graph_capture_error``.
+        """
+        if not self.graphs_enabled or self.graphs:
+            return
+        sizes = sorted(self.graph_sizes, reverse=True)
+        B = sizes[0]
+        self.input_ids[:B].zero_()
+        self.positions[:B].zero_()
+        self.slot_mapping[:B].fill_(-1)
+        self.seq_lens[:B].fill_(1)
+        self.query_start_loc[: B + 1].copy_(torch.arange(B + 1, dtype=torch.int32, device=self.device))
+        self.logits_indices[:B].copy_(torch.arange(B, dtype=torch.int64, device=self.device))
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        try:
+            for size in sizes:
+                args = (size, size, size, 1, self.max_model_len)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._forward(*args)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.graph_logits[size] = self._forward(*args)
+                self.graphs[size] = graph
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # an op that syncs or allocates on the host inside the forward
+            self.graphs.clear()
+            self.graph_logits.clear()
+            self.graph_capture_error = f"{type(e).__name__}: {e}"
+            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", self.graph_capture_error)
+            torch.cuda.synchronize(self.device)
+
+    # -- a step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns float32 logits ``[num_sampled, vocab_size]``, rows in ``out.seqs`` order."""
+        host_start = time.perf_counter()
+        start = end = None
+        if self.record_steps and self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         self.cache.copy_blocks(out.block_copies)
-        kwargs, logits_indices = self.prepare(out)
-        logits = self.model(**kwargs, logits_to_keep=logits_indices).logits
-        return logits[0].float()
+        bucket = self._bucket(out)
+        S = len(out.seqs)
+        if bucket is not None:
+            self.prepare(out, pad_to=bucket)
+            self.graphs[bucket].replay()
+            logits = self.graph_logits[bucket][0, :S].float()
+        else:
+            T, num_sampled, max_query_len, max_seq_len = self.prepare(out)
+            logits = self._forward(T, S, num_sampled, max_query_len, max_seq_len)[0].float()
+        if start is not None:
+            end.record()
+        if self.record_steps:
+            context = sum(seq.num_computed_tokens for seq in out.seqs) + sum(out.num_scheduled_tokens)
+            self.steps.append(StepTrace("graph" if bucket is not None else "eager", sum(out.num_scheduled_tokens), S,
+                                        context, host_start, time.perf_counter(), start, end))
+        return logits

@@ -38,20 +38,26 @@ class Sampler:
 
         A logits processor that raises fails only its own row: that row's result carries the exception.
         """
-        logits = logits[:, : self.vocab_size].clone()
+        logits = logits[:, : self.vocab_size]
         want_logprobs = [seq.sampling_params.logprobs is not None for seq in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         errors: dict[int, BaseException] = {}
-        for i, seq in enumerate(seqs):
+        # NOTE: only rows with penalties, processors or an active min_tokens mask are touched: a per-row
+        # copy costs a kernel launch, which at a few hundred rows per step is milliseconds of host time.
+        rows = [i for i, seq in enumerate(seqs) if _needs_processing(seq)]
+        if rows:
+            logits = logits.clone()
+        for i in rows:
             try:
-                logits[i] = self._process_row(logits[i], seq)
+                logits[i] = self._process_row(logits[i], seqs[i])
             except Exception as e:  # a user's processor; keep the other rows going
                 errors[i] = e
 
         params = [seq.sampling_params for seq in seqs]
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        greedy_list = [p.greedy for p in params]  # decided on the host: no device round trip when all greedy
         token_ids = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(greedy_list):
+            greedy = torch.tensor(greedy_list, device=logits.device)
             probs = self._probs(logits, params)
             sampled = self._draw(probs, seqs)
             token_ids = torch.where(greedy, token_ids, sampled)
@@ -137,3 +143,12 @@ class Sampler:
             if seq.generator is not None:
                 out[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
         return out
+
+
+def _needs_processing(seq: Sequence) -> bool:
+    """Whether ``Sampler._process_row`` can change this sequence's row (else it is skipped)."""
+    sp = seq.sampling_params
+    return bool(
+        sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty or sp.logits_processors
+        or seq.num_output_tokens < sp.min_tokens
+    )
