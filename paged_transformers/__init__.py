@@ -4,6 +4,7 @@ Hugging Face transformers models.
 Public API::
 
     from paged_transformers import paged_generate, SamplingParams, EngineConfig, LLMEngine, PagedCache
+    import paged_transformers; paged_transformers.patch()   # model.generate() through the engine
 """
 
 from .cache import PagedCache
@@ -12,6 +13,8 @@ from .engine import LLMEngine
 from .generate import paged_generate
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
+from .generation_config import PerRequest
+from .patches import patch, unpatch
 
 __version__ = "0.1.0"
 
@@ -24,5 +27,8 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "PerRequest",
     "paged_generate",
+    "patch",
+    "unpatch",
 ]

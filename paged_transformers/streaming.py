@@ -1,0 +1,171 @@
+"""Driving the engine step by step: per-request stopping criteria, and streamed text per request.
+
+``stream(engine)`` yields, after every engine step, what each touched request gained: new token ids
+and the new text. Text is detokenized incrementally (the two-offset scheme of Hugging Face TGI's
+``decode_token`` and vLLM's ``detokenize_incrementally``): the new tokens are decoded together with a
+few tokens of left context, and text is released only once it no longer ends in U+FFFD, the
+replacement character a byte-level tokenizer produces for an incomplete UTF-8 sequence. So a
+multi-byte character split across tokens is emitted once, whole, when its last byte arrives.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .outputs import RequestOutput
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        skip_special_tokens: as in ``tokenizer.decode``.
+
+    Examples:
+        >>> class ByteTok:  # a toy byte-level tokenizer: one token per UTF-8 byte
+        ...     def decode(self, ids, skip_special_tokens=True):
+        ...         return bytes(ids).decode("utf-8", errors="replace")
+        >>> d = IncrementalDetokenizer(ByteTok())
+        >>> [d.add([b]) for b in "aé".encode()]  # 'é' is two bytes
+        ['a', '', 'é']
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0  # start of the context window re-decoded with the new tokens
+        self.read_offset = 0  # tokens before it were already released as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete ('' while a character is still incomplete)."""
+        self.token_ids.extend(token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+            delta = new_text[len(prefix_text) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left at the end of the sequence (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+
+def run_engine(
+    engine, stopping_criteria: dict[str, list[Callable]] | None = None
+) -> Iterator[list[RequestOutput]]:
+    """Step ``engine`` until it is idle, yielding each step's outputs.
+
+    Args:
+        engine: an ``LLMEngine`` with requests added.
+        stopping_criteria: ``request_id -> criteria`` with the transformers ``StoppingCriteria``
+            signature, called after every new token as ``criterion(input_ids [1, num_tokens] int64, None)``
+            on the request's prompt + output; a true result finishes the request
+            (``finish_reason="stop"``, the last token kept, as ``generate()`` keeps it). Requests with
+            criteria must have ``n == 1``.
+
+    Raises:
+        ValueError: criteria given for a request with ``n > 1``.
+    """
+    stopping_criteria = stopping_criteria or {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            criteria = stopping_criteria.get(out.request_id)
+            if out.finished or not criteria:
+                continue
+            if len(out.outputs) != 1:
+                raise ValueError(f"request {out.request_id!r}: stopping criteria need n == 1, got n={len(out.outputs)}")
+            ids = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids], dtype=torch.int64, device=engine.device)
+            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in criteria):
+                engine.abort_request(out.request_id)
+                out.finished = True
+                out.outputs[0].finish_reason = "stop"
+                if engine.tokenizer is not None:
+                    out.outputs[0].text = engine.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        yield outputs
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """What one sequence of a request gained in one engine step.
+
+    Attributes:
+        request_id, index: the request and which of its ``n`` sequences.
+        token_ids: the new token ids (usually one).
+        text: the new text ('' while a multi-byte character is incomplete, or without a tokenizer).
+        finished, finish_reason: as in ``CompletionOutput``; on the last delta the remaining text is flushed.
+        error: the exception that aborted the sequence (e.g. from its logits processor), if any.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    error: BaseException | None = None
+
+
+def stream(
+    engine, stopping_criteria: dict[str, list[Callable]] | None = None, skip_special_tokens: bool = True
+) -> Iterator[StreamDelta]:
+    """Run ``engine`` until idle, yielding per sequence the tokens and text each step added.
+
+    Args:
+        engine: an ``LLMEngine`` with requests added (requests may be added while iterating).
+        stopping_criteria: as in ``run_engine``.
+        skip_special_tokens: as in ``tokenizer.decode``.
+
+    Yields:
+        ``StreamDelta``s in step order; per sequence, the texts concatenate to the decoded output
+        (before any ``stop`` string cut, which only the final ``CompletionOutput.text`` applies).
+
+    Examples:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from paged_transformers import LLMEngine, SamplingParams
+        >>> from paged_transformers.streaming import stream
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <...>
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+        >>> with LLMEngine(model) as engine:
+        ...     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        ...     deltas = list(stream(engine))
+        >>> [len(d.token_ids) for d in deltas], deltas[-1].finish_reason
+        ([1, 1, 1], 'length')
+    """
+    detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
+    seen: dict[tuple[str, int], int] = {}
+    for outputs in run_engine(engine, stopping_criteria):
+        for out in outputs:
+            for comp in out.outputs:
+                key = (out.request_id, comp.index)
+                start = seen.get(key, 0)
+                new_ids = comp.token_ids[start:]
+                if not new_ids and not comp.finished:
+                    continue
+                seen[key] = len(comp.token_ids)
+                text = ""
+                if engine.tokenizer is not None:
+                    detok = detokenizers.setdefault(key, IncrementalDetokenizer(engine.tokenizer, skip_special_tokens))
+                    text = detok.add(new_ids)
+                    if comp.finished:
+                        text += detok.flush()
+                if comp.finished:
+                    detokenizers.pop(key, None)
+                    seen.pop(key, None)
+                yield StreamDelta(out.request_id, comp.index, new_ids, text, comp.finished, comp.finish_reason, comp.error)

@@ -1,0 +1,332 @@
+"""The one-line patch: ``paged_transformers.patch()`` routes ``model.generate()`` through the paged engine.
+
+``patch()`` replaces three methods of ``transformers.GenerationMixin`` (``unpatch()`` puts them back):
+
+- ``generate``: records the call (the caller's logits processors, stopping criteria, options) and
+  then runs stock ``generate()``, which validates the arguments, merges the ``GenerationConfig``,
+  expands the batch for ``num_return_sequences`` and builds the processors, exactly as unpatched;
+  a user ``PagedCache`` is told the prompt padding;
+- ``_sample`` (greedy and sampling): instead of stock's padded loop, each batch row becomes one
+  engine request (left padding stripped; its own processor list built for its own prompt; see
+  ``paged_transformers.generation_config``), the engine runs them with continuous batching, and the
+  result is rebuilt as stock returns it: ``[batch, prompt_len + new]`` with the left-padded prompt,
+  rows that finished early right-padded with ``pad_token_id``; with ``return_dict_in_generate`` a
+  ``GenerateDecoderOnlyOutput`` with ``scores``/``logits`` when asked (one ``[batch, vocab]`` tensor
+  per step; a row that already finished holds NaN there, where stock holds the scores of its
+  pad-token continuation);
+- ``_beam_search``: stock beam search on a ``PagedCache`` (beams share blocks by reference).
+
+Whatever the engine cannot serve runs stock code, after a one-time log message: assisted decoding,
+DoLa / contrastive / constrained / group beam search, ``output_attentions`` / ``output_hidden_states``,
+classifier-free guidance, ``prefix_allowed_tokens_fn``, a streamer with more than one row, extra model
+inputs (e.g. ``pixel_values``), a user cache that is not a ``PagedCache``, right padding, encoder-decoder
+models. Plain ``model(...)`` forwards and training never see the paged attention: the engine switches
+the model's ``attn_implementation`` only while it runs and restores it on exit.
+
+Errors: a logits processor that raises fails only its own request inside the engine; ``generate()``
+then re-raises that exception (the first failed row, by row index) after all rows finished, with
+``exc.paged_failed_rows`` (``{row: exception}``) and ``exc.paged_partial_output`` (what the call would
+have returned, the failed rows cut where they failed) attached.
+"""
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..cache import PagedCache
+from ..config import EngineConfig
+from ..engine import LLMEngine
+from ..generation_config import ENGINE_MODES, ScoreRecorder, request_sampling_params
+from ..streaming import run_engine
+
+logger = logging.getLogger("paged_transformers")
+
+# model_kwargs that stock generate() itself puts next to the inputs; anything else (pixel_values,
+# token_type_ids, ...) is a model input the engine does not pass, so stock code runs.
+_KNOWN_MODEL_KWARGS = {
+    "attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
+    "cache_position", "output_attentions", "output_hidden_states", "return_dict",
+}
+
+
+@dataclass(slots=True)
+class _Call:
+    """What the patched ``generate`` saw for the call in progress."""
+
+    model: object
+    logits_processor: object  # the caller's own processors (not generate()'s defaults)
+    user_position_ids: bool
+    prefix_allowed_tokens_fn: bool
+    engine_config: EngineConfig | None
+
+
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("paged_transformers_generate_call", default=None)
+_ORIGINALS: dict[str, object] = {}
+_ENGINE_CONFIG: list[EngineConfig | None] = [None]
+_LOGGED: set[str] = set()
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _LOGGED:
+        _LOGGED.add(reason)
+        logger.warning("paged_transformers: %s; running stock transformers code for it", reason)
+
+
+# -- patch / unpatch ----------------------------------------------------------------------------
+
+
+class PatchHandle:
+    """Returned by ``patch()``; as a context manager it undoes the patch on exit."""
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        unpatch()
+
+
+def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
+    """Route ``model.generate()`` (and so ``pipeline("text-generation")``) through the paged engine.
+
+    Idempotent; ``unpatch()`` restores transformers. Usable as ``with paged_transformers.patch(): ...``.
+
+    Args:
+        engine_config: the ``EngineConfig`` for the engines that ``generate()`` calls create (one per
+            call). Default: sized for the call (one block table per row, ``block_size`` 16).
+
+    Returns:
+        A ``PatchHandle`` (a context manager that calls ``unpatch()`` on exit).
+
+    Raises:
+        ValueError: ``engine_config`` is not an ``EngineConfig``.
+
+    Examples:
+        >>> import torch, paged_transformers
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <...>
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)).eval()
+        >>> ids, mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+        >>> stock = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        >>> with paged_transformers.patch():
+        ...     paged = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        >>> torch.equal(paged, stock)
+        True
+    """
+    if engine_config is not None and not isinstance(engine_config, EngineConfig):
+        raise ValueError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
+    _ENGINE_CONFIG[0] = engine_config
+    if not _ORIGINALS:
+        for name, replacement in (("generate", _generate), ("_sample", _sample), ("_beam_search", _beam_search)):
+            _ORIGINALS[name] = GenerationMixin.__dict__[name]
+            setattr(GenerationMixin, name, functools.wraps(_ORIGINALS[name])(replacement))
+    return PatchHandle()
+
+
+def unpatch() -> None:
+    """Undo ``patch()`` (a no-op when not patched)."""
+    for name, original in _ORIGINALS.items():
+        setattr(GenerationMixin, name, original)
+    _ORIGINALS.clear()
+    _ENGINE_CONFIG[0] = None
+
+
+def is_patched() -> bool:
+    return bool(_ORIGINALS)
+
+
+# -- the replaced methods -----------------------------------------------------------------------
+
+
+def _generate(self, *args, **kwargs):
+    original = _ORIGINALS["generate"]
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    arguments = {**bound.arguments, **bound.arguments.get("kwargs", {})}
+    user_cache = arguments.get("cache", arguments.get("past_key_values"))
+    if isinstance(user_cache, PagedCache) and user_cache._rows is None:
+        user_cache.set_prompt_padding(arguments.get("attention_mask"))
+    call = _Call(
+        model=self,
+        logits_processor=arguments.get("logits_processor"),
+        user_position_ids=arguments.get("position_ids") is not None,
+        prefix_allowed_tokens_fn=arguments.get("prefix_allowed_tokens_fn") is not None,
+        engine_config=_ENGINE_CONFIG[0],
+    )
+    token = _CALL.set(call)
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        _CALL.reset(token)
+
+
+def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None, **model_kwargs):
+    call = _CALL.get()
+    reason = None if call is None or call.model is not self else _engine_blocker(
+        self, call, input_ids, generation_config, synced_gpus, streamer, model_kwargs
+    )
+    if call is None or call.model is not self or reason is not None:
+        if reason is not None:
+            _log_once(reason)
+        return _ORIGINALS["_sample"](
+            self, input_ids, logits_processor, stopping_criteria, generation_config,
+            synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
+        )
+    return _engine_generate(self, call, input_ids, stopping_criteria, generation_config, streamer, model_kwargs)
+
+
+def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, **model_kwargs):
+    call = _CALL.get()
+    key = "cache" if "cache" in model_kwargs else "past_key_values"
+    cache = model_kwargs.get(key)
+    if (
+        call is not None and call.model is self and generation_config.use_cache and cache is not None
+        and not isinstance(cache, PagedCache) and not getattr(cache, "_is_user_defined", False)
+        and not self.config.is_encoder_decoder
+    ):
+        _log_once("beam search is served by stock generate() on a PagedCache, not by the engine")
+        num_rows, block_size = input_ids.shape[0], 16
+        num_blocks = num_rows * (-(-generation_config.max_length // block_size) + 1)
+        paged = PagedCache.from_model(self, num_blocks=num_blocks, block_size=block_size)
+        mask = model_kwargs.get("attention_mask")
+        paged.set_prompt_padding(None if mask is None else mask[:: generation_config.num_beams])
+        model_kwargs[key] = paged
+    return _ORIGINALS["_beam_search"](
+        self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus, **model_kwargs
+    )
+
+
+# -- the engine path ----------------------------------------------------------------------------
+
+
+def _engine_blocker(model, call: _Call, input_ids, gc, synced_gpus, streamer, model_kwargs) -> str | None:
+    """Why the engine cannot serve this ``_sample`` call (None when it can)."""
+    if gc.get_generation_mode() not in ENGINE_MODES:
+        return f"generation mode {gc.get_generation_mode().value}"
+    if synced_gpus:
+        return "synced_gpus"
+    if model.config.is_encoder_decoder:
+        return "encoder-decoder models"
+    if not model._can_set_attn_implementation():
+        return f"{type(model).__name__} (its attention cannot be replaced)"
+    if streamer is not None and input_ids.shape[0] > 1:
+        return "a streamer with more than one row"
+    for name in ("output_attentions", "output_hidden_states"):
+        if getattr(gc, name, False):
+            return f"{name}=True"
+    if gc.guidance_scale is not None and gc.guidance_scale != 1:
+        return "guidance_scale (classifier-free guidance)"
+    if call.prefix_allowed_tokens_fn:
+        return "prefix_allowed_tokens_fn (its batch_id is a batch row)"
+    if call.user_position_ids:
+        return "user-given position_ids"
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _KNOWN_MODEL_KWARGS)
+    if extra:
+        return f"model inputs {extra}"
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and getattr(cache, "_is_user_defined", False):
+        return "a user-given cache"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        mask = mask.to(torch.int64)
+        if bool((mask.cumsum(-1) == 0).sum(-1).add(mask.sum(-1)).ne(mask.shape[1]).any()):
+            return "an attention_mask that is not left padding"
+        if bool((mask.sum(-1) == 0).any()):
+            return "an all-padding row"
+    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_positions is not None and gc.max_length > max_positions:
+        return f"max_length={gc.max_length} over max_position_embeddings={max_positions}"
+    if gc.max_length <= input_ids.shape[1]:
+        return "no new tokens to generate"
+    return None
+
+
+def _engine_generate(model, call: _Call, input_ids, stopping_criteria, gc, streamer, model_kwargs):
+    """Serve a greedy / sampling ``generate()`` call with the engine and rebuild stock's output."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    num_rows, prompt_len = input_ids.shape
+    mask = model_kwargs.get("attention_mask")
+    pad_lens = [0] * num_rows if mask is None else (mask.to(torch.int64).cumsum(-1) == 0).sum(-1).tolist()
+    prompts = [input_ids[r, pad_lens[r]:].tolist() for r in range(num_rows)]
+    max_new = gc.max_length - prompt_len  # stock: every row gets max_length - padded prompt length
+    # MaxLength and EOS are the engine's max_tokens and stop_token_ids; the rest run per request.
+    criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    want_scores = gc.return_dict_in_generate and gc.output_scores
+    want_logits = gc.return_dict_in_generate and gc.output_logits
+    raw = [ScoreRecorder() for _ in range(num_rows)] if want_logits else None
+    processed = [ScoreRecorder() for _ in range(num_rows)] if want_scores else None
+
+    config = _engine_config(call.engine_config, prompts, max_new, model)
+    finals = {}
+    with LLMEngine(model, engine_config=config) as engine:
+        for r, prompt in enumerate(prompts):
+            params = request_sampling_params(
+                model, gc, prompt, max_new, logits_processor=call.logits_processor,
+                extra_processors_first=[raw[r]] if raw else [], extra_processors_last=[processed[r]] if processed else [],
+            )
+            engine.add_request(str(r), prompt, params)
+        for outputs in run_engine(engine, {str(r): criteria for r in range(num_rows)} if criteria else None):
+            for out in outputs:
+                if streamer is not None:
+                    streamer.put(torch.tensor(out.outputs[0].token_ids[-1:], dtype=torch.int64))
+                if out.finished:
+                    finals[int(out.request_id)] = out.outputs[0]
+    if streamer is not None:
+        streamer.end()
+
+    pad = gc._pad_token_tensor if getattr(gc, "_pad_token_tensor", None) is not None else gc.pad_token_id
+    pad = int(pad) if pad is not None else 0
+    new_len = max(len(finals[r].token_ids) for r in range(num_rows))
+    sequences = torch.full((num_rows, prompt_len + new_len), pad, dtype=input_ids.dtype, device=input_ids.device)
+    sequences[:, :prompt_len] = input_ids
+    for r in range(num_rows):
+        ids = finals[r].token_ids
+        sequences[r, prompt_len : prompt_len + len(ids)] = torch.tensor(ids, dtype=input_ids.dtype)
+    result = sequences
+    if gc.return_dict_in_generate:
+        result = GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=_stack_steps(processed, new_len, input_ids.device) if want_scores else None,
+            logits=_stack_steps(raw, new_len, input_ids.device) if want_logits else None,
+        )
+    failed = {r: finals[r].error for r in range(num_rows) if finals[r].error is not None}
+    if failed:
+        first = failed[min(failed)]
+        first.paged_failed_rows = failed
+        first.paged_partial_output = result
+        raise first
+    return result
+
+
+def _stack_steps(recorders: list[ScoreRecorder], num_steps: int, device) -> tuple[torch.Tensor, ...]:
+    """Per step a ``[num_rows, vocab]`` tensor; rows that already finished are NaN."""
+    vocab = next(len(s) for rec in recorders for s in rec.steps[:1])
+    steps = []
+    for t in range(num_steps):
+        rows = [rec.steps[t] if t < len(rec.steps) else torch.full((vocab,), float("nan")) for rec in recorders]
+        steps.append(torch.stack([row.to(device) for row in rows]))
+    return tuple(steps)
+
+
+def _engine_config(user: EngineConfig | None, prompts: list[list[int]], max_new: int, model) -> EngineConfig:
+    """The user's config, or one sized for this call: every row's blocks fit at once (no preemption)."""
+    longest = max(len(p) for p in prompts) + max_new
+    if user is not None:
+        return user if user.max_model_len is not None else dataclasses.replace(user, max_model_len=longest)
+    block_size = 16
+    num_blocks = sum(-(-(len(p) + max_new) // block_size) for p in prompts) + 1
+    extra = {}
+    if "enforce_eager" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        extra["enforce_eager"] = True  # a per-call engine: graph capture would cost more than it saves
+    return EngineConfig(
+        block_size=block_size, num_gpu_blocks=num_blocks, max_model_len=longest,
+        max_num_seqs=max(1, min(256, len(prompts))), **extra,
+    )
