@@ -1,0 +1,183 @@
+"""Shared fixtures: tiny random-weight causal LMs built from configs, and stock-generate references.
+
+``tiny_model(arch, **overrides)`` builds a 2-layer fp32 model of one of ``TINY_ARCHS`` with
+weights drawn at ``initializer_range=0.15`` (logits spread enough that greedy near ties are rare),
+``max_position_embeddings=512``, ``vocab_size=128``. No download: configs only.
+
+``stock_greedy(model, prompt, max_new_tokens)`` is the reference: transformers' own
+``model.generate()`` on one prompt alone (do_sample=False), returning the new tokens and the top-2
+margin of each step's raw logits.
+"""
+
+import pytest
+import torch
+import transformers
+
+# NOTE: one intra-op thread. These tests run many tiny ops; with 2 threads on a 2-core machine that
+# is also running anything else, thread contention made them ~50x slower (0.2 s -> 13 s per run).
+torch.set_num_threads(1)
+
+VOCAB_SIZE = 128
+MAX_POSITIONS = 512
+
+# Per-architecture config fields on top of the common ones. Mistral's window (48) is smaller than the
+# longest prompts; Gemma-2 alternates sliding (window 40) and full layers and soft-caps attention logits
+# (at 5: low enough that removing the cap changes most greedy outputs) and final logits.
+TINY_ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 48}),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {
+            "sliding_window": 40,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 10.0,
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "head_dim": 16,
+        },
+    ),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+}
+
+
+def make_tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny fp32 random-weight ``arch`` model in eval mode (see the module docstring)."""
+    config_cls, model_cls, extra = TINY_ARCHS[arch]
+    fields = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    fields.update(extra)
+    fields.update(overrides)
+    config = config_cls(**fields)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.generation_config.pad_token_id = config.eos_token_id
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Factory ``tiny_model(arch, seed=0, **config_overrides)``; models are cached per argument set."""
+    cache: dict = {}
+
+    def factory(arch: str, seed: int = 0, **overrides):
+        key = (arch, seed, repr(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model(arch, seed, **overrides)
+        return cache[key]
+
+    return factory
+
+
+@torch.inference_mode()
+def stock_greedy(model, prompt_token_ids: list[int], max_new_tokens: int, **generate_kwargs) -> tuple[list[int], list[float]]:
+    """Reference greedy decode: stock ``model.generate()`` on one prompt alone.
+
+    Returns:
+        ``(new_token_ids, margins)``: the generated tokens (EOS included when it stopped there) and,
+        per step, the gap between the largest and second-largest raw logit (float32 units).
+    """
+    ids = torch.tensor([prompt_token_ids])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **generate_kwargs,
+    )
+    new = out.sequences[0, len(prompt_token_ids) :].tolist()
+    margins = []
+    for step_logits in out.logits:
+        top2 = step_logits[0].float().topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+    return new, margins
+
+
+def random_prompts(num: int, min_len: int, max_len: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    """``num`` prompts of token ids in ``[low, VOCAB_SIZE)`` with lengths spread over ``min_len..max_len``
+    (both ends included when ``num >= 2``); ids below ``low`` (pad/bos/eos) are avoided."""
+    g = torch.Generator().manual_seed(seed)
+    if num == 1:
+        lengths = [max_len]
+    else:
+        lengths = [min_len + round(i * (max_len - min_len) / (num - 1)) for i in range(num)]
+    return [torch.randint(low, VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_pool_whole(engine) -> None:
+    """Every block of the engine's pool is free again and no block table is left."""
+    bm = engine.cache.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} of {bm.num_blocks} blocks leaked"
+    assert not bm.block_tables, f"block tables left: {sorted(bm.block_tables)}"
+    assert all(c == 0 for c in bm.ref_cnt), "a block still has a reference"
+
+
+def check_block_invariants(engine) -> None:
+    """KV memory of every live sequence, checked between steps.
+
+    A running sequence holds exactly ``ceil(num_computed_tokens / block_size)`` blocks, hence never more
+    than ``ceil(num_tokens / block_size)``; a sequence holds no block the pool counts as free; the
+    pool's used count equals the distinct blocks in the block tables.
+    """
+    bm = engine.cache.block_manager
+    scheduler = engine.scheduler
+    held: set[int] = set()
+    for seq in list(scheduler.running) + list(scheduler.waiting):
+        table = bm.block_tables.get(seq.seq_id, [])
+        assert len(table) <= bm.blocks_for(seq.num_tokens), (
+            f"{seq} holds {len(table)} blocks, over ceil({seq.num_tokens}/{bm.block_size})"
+        )
+        if seq in scheduler.running:
+            assert len(table) == bm.blocks_for(seq.num_computed_tokens), f"{seq} holds {len(table)} blocks"
+        held.update(table)
+    assert not held & set(bm.free_blocks), f"blocks both held and free: {sorted(held & set(bm.free_blocks))}"
+    assert bm.num_used_blocks == len(held), f"{bm.num_used_blocks} blocks used, {len(held)} held by live sequences"
+
+
+@pytest.fixture
+def engine_spy(monkeypatch):
+    """Make ``paged_generate`` build ``CheckedLLMEngine``s; yields the list of engines it built.
+
+    Each checked engine runs ``check_block_invariants`` after every step and remembers every sequence
+    it scheduled (``seen_seqs``), so a test can read ``num_preemptions`` and chunking afterwards.
+    """
+    import paged_transformers.generate as generate_module
+    from paged_transformers import LLMEngine
+
+    engines = []
+
+    class CheckedLLMEngine(LLMEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen_seqs = {}
+            self.num_steps = 0
+            self.chunked = False  # a prompt was prefilled over several steps
+            engines.append(self)
+
+        def step(self):
+            outputs = super().step()
+            self.num_steps += 1
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.seen_seqs[seq.seq_id] = seq
+                if 0 < seq.num_computed_tokens < seq.num_prompt_tokens:
+                    self.chunked = True
+            check_block_invariants(self)
+            return outputs
+
+    monkeypatch.setattr(generate_module, "LLMEngine", CheckedLLMEngine)
+    yield engines
