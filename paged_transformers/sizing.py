@@ -14,9 +14,23 @@ def model_kv_shape(config) -> tuple[int, int, int]:
     return text_config.num_hidden_layers, num_kv_heads, head_dim
 
 
+# NOTE: decode CUDA graphs keep a private memory pool (activations of a max_num_seqs-token forward and
+# the static logits), captured after the KV pool exists; this reserve keeps them from meeting OOM.
+CUDA_GRAPH_RESERVE_BYTES = 1 << 30
+
+
 def profile_activation_bytes(model: torch.nn.Module, config: EngineConfig) -> int:
-    """Peak bytes a forward of ``max_num_batched_tokens`` tokens adds on CUDA (one dummy sequence,
-    the model's own attention, logits for ``max_num_seqs`` rows)."""
+    """Peak bytes one step adds on CUDA, from a profiled forward of ``max_num_batched_tokens`` tokens.
+
+    The forward is one dummy sequence through the model's own attention (the paged attention needs no
+    extra memory beyond its inputs and output), with logits for ``max_num_seqs`` rows. On top of the
+    measured peak: the sampler's float32 copies of those logits (the runner's ``float()``, the clone and
+    the softmax: 3 x ``max_num_seqs x vocab_size x 4`` bytes) and, unless ``enforce_eager``,
+    ``CUDA_GRAPH_RESERVE_BYTES`` for the decode graphs.
+
+    Returns:
+        Bytes (int).
+    """
     device = next(model.parameters()).device
     num_tokens = config.max_num_batched_tokens
     torch.cuda.synchronize(device)
@@ -28,7 +42,10 @@ def profile_activation_bytes(model: torch.nn.Module, config: EngineConfig) -> in
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     torch.cuda.empty_cache()
-    return peak
+    vocab_size = model.config.get_text_config().vocab_size
+    sampler = 3 * min(config.max_num_seqs, num_tokens) * vocab_size * 4
+    graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+    return peak + sampler + graphs
 
 
 def num_kv_blocks(model: torch.nn.Module, config: EngineConfig, max_model_len: int, bytes_per_block: int) -> int:
