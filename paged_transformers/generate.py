@@ -9,6 +9,7 @@ from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .streaming import run_engine
 
 
 def paged_generate(
@@ -30,14 +31,19 @@ def paged_generate(
     Args:
         model: a transformers causal LM (any dtype; weights on the device to run on).
         prompts: strings (``tokenizer`` required) or lists of token ids.
-        sampling_params: one ``SamplingParams`` for all prompts, or one per prompt. Default:
-            ``SamplingParams.from_generation_config(generation_config or model.generation_config)``.
+        sampling_params: one ``SamplingParams`` for all prompts, or one per prompt. Default: from
+            ``generation_config`` (else ``model.generation_config``), every option ``generate()`` honours
+            for greedy/sampling, each prompt getting the processors ``generate()`` would build for it
+            alone (``paged_transformers.generation_config``); unsupported options raise
+            ``NotImplementedError`` naming them.
         tokenizer: a transformers tokenizer, for string prompts and output text.
         engine_config: ``EngineConfig``; default ``EngineConfig()``.
         generation_config: used only when ``sampling_params`` is None.
         logits_processor: a ``LogitsProcessorList`` or list of processors applied to every request,
             after each request's own ``SamplingParams.logits_processors``. The same instances serve
-            every request, so they must be stateless; give stateful ones per request instead.
+            every request, so they must be stateless; wrap a stateful one's factory in
+            ``PerRequest`` (fresh instance per request; when ``sampling_params`` is None) or give
+            instances per request in ``SamplingParams.logits_processors``.
         use_tqdm: show a progress bar (requests finished).
 
     Returns:
@@ -66,21 +72,28 @@ def paged_generate(
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         params_list = list(sampling_params)
+    elif sampling_params is None:
+        params_list = None  # built per prompt from the GenerationConfig (generation_config.py)
     else:
-        if sampling_params is None:
-            sampling_params = SamplingParams.from_generation_config(generation_config or model.generation_config)
         params_list = [sampling_params] * len(prompts)
-    if logits_processor:
+    if logits_processor and params_list is not None:
         params_list = [_with_processors(p, list(logits_processor)) for p in params_list]
 
     with LLMEngine(model, tokenizer=tokenizer, engine_config=engine_config) as engine:
-        return run_to_completion(engine, prompts, params_list, use_tqdm=use_tqdm)
+        stopping = None
+        if params_list is None:
+            params_list, stopping = _params_from_generation_config(
+                model, generation_config, prompts, engine, tokenizer, logits_processor
+            )
+        return run_to_completion(engine, prompts, params_list, use_tqdm=use_tqdm, stopping_criteria=stopping)
 
 
 def run_to_completion(
-    engine: LLMEngine, prompts: list, params_list: list[SamplingParams], use_tqdm: bool = True
+    engine: LLMEngine, prompts: list, params_list: list[SamplingParams], use_tqdm: bool = True,
+    stopping_criteria: dict | None = None,
 ) -> list[RequestOutput]:
-    """Validate every prompt, queue them all on ``engine`` and step until each has finished.
+    """Validate every prompt, queue them all on ``engine`` and step until each has finished
+    (``stopping_criteria``: per request id, as in ``streaming.run_engine``).
 
     Returns:
         One ``RequestOutput`` per prompt, in input order; ``request_id`` is the prompt's index.
@@ -100,8 +113,8 @@ def run_to_completion(
         engine.add_request(str(i), prompt if isinstance(prompt, str) else ids, params)
     outputs: dict[str, RequestOutput] = {}
     with tqdm(total=len(prompts), desc="paged_generate", disable=not use_tqdm or len(prompts) < 2) as bar:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        for step_outputs in run_engine(engine, stopping_criteria):
+            for out in step_outputs:
                 if out.finished:
                     outputs[out.request_id] = out
                     bar.update(1)
@@ -112,3 +125,33 @@ def _with_processors(params: SamplingParams, processors: list) -> SamplingParams
     from dataclasses import replace
 
     return replace(params, logits_processors=params.logits_processors + processors)
+
+
+def _params_from_generation_config(model, generation_config, prompts: list, engine: LLMEngine, tokenizer, logits_processor):
+    """Per prompt: ``SamplingParams`` running the processors ``generate()`` would build for it alone
+    (see ``generation_config.py``), and the stopping criteria (``stop_strings``, ``max_time``) per request id.
+
+    Raises:
+        NotImplementedError: an option the engine cannot honour, naming it.
+        ValueError: ``stop_strings`` without a tokenizer; a prompt left no room by ``max_length``.
+    """
+    from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+
+    from .generation_config import prepare_generation_config, request_sampling_params
+
+    gc = prepare_generation_config(model, generation_config)
+    criteria = []
+    if gc.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError(f"GenerationConfig.stop_strings={gc.stop_strings!r} needs tokenizer=")
+        criteria.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
+    if gc.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=gc.max_time))
+    params = []
+    for i, prompt in enumerate(prompts):
+        ids = engine.tokenize(prompt)
+        max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - len(ids)
+        if max_new < 1:
+            raise ValueError(f"prompt {i}: {len(ids)} tokens leave no room under max_length={gc.max_length}")
+        params.append(request_sampling_params(model, gc, ids, max_new, logits_processor=logits_processor))
+    return params, ({str(i): criteria for i in range(len(prompts))} if criteria else None)
