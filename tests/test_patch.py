@@ -1,0 +1,212 @@
+"""``paged_transformers.patch()``: patched ``model.generate()`` against stock ``generate()`` on the same
+weights (fp32 CPU). Per prompt alone and as a left-padded batch, for the GenerationConfig options the
+engine serves; fallbacks (beam search on a PagedCache); unpatch / context manager; plain forwards and a
+training step unchanged; unsupported options and failing processors."""
+
+import logging
+
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessor
+
+import paged_transformers
+from paged_transformers import PagedCache, paged_generate
+from paged_transformers.patches import generate as patch_module
+
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34]]
+
+# greedy unless do_sample; every option generate() honours for decoder-only greedy / sampling
+OPTIONS = {
+    "greedy": dict(do_sample=False),
+    "repetition_penalty": dict(do_sample=False, repetition_penalty=1.8),
+    "no_repeat_ngram": dict(do_sample=False, no_repeat_ngram_size=2),
+    "bad_words": dict(do_sample=False, bad_words_ids=[[40], [41, 42]]),
+    "min_new_suppress": dict(do_sample=False, min_new_tokens=6, suppress_tokens=[43], begin_suppress_tokens=[44]),
+    "forced_eos": dict(do_sample=False, forced_eos_token_id=2),
+    "scores_logits": dict(do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True),
+    "sample_warpers": dict(do_sample=True, temperature=0.7, top_k=30, top_p=0.9, min_p=0.02),
+    "sample_typical": dict(do_sample=True, typical_p=0.8),
+    # NOTE: sampled tokens match bitwise while both draw from the global RNG with the same shapes; stock
+    # keeps drawing for rows that finished, the engine does not, so EOS is suppressed here.
+    "nrs4": dict(do_sample=True, num_return_sequences=4, suppress_tokens=[2]),
+}
+
+
+def left_pad(prompts, pad_id=2):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.fixture
+def engine_count(monkeypatch):
+    """Counts the engines the patched generate builds (proof the engine path ran)."""
+    built = []
+    original = patch_module.LLMEngine
+
+    class Counting(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(patch_module, "LLMEngine", Counting)
+    return built
+
+
+def run(model, ids, mask, patched, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    if patched:
+        with paged_transformers.patch():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=10, **kwargs)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=10, **kwargs)
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if not torch.equal(a.sequences, b.sequences):
+        return False
+    for name in ("scores", "logits"):
+        xs, ys = getattr(a, name), getattr(b, name)
+        if (xs is None) != (ys is None) or (xs is not None and len(xs) != len(ys)):
+            return False
+        for x, y in zip(xs or (), ys or ()):
+            live = ~torch.isnan(x).all(-1)  # rows already finished are NaN on the engine path
+            if not torch.allclose(x[live], y[live], atol=1e-4, rtol=1e-4):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_patched_equals_stock_per_prompt(tiny_model, engine_count, option):
+    model = tiny_model("llama")
+    for prompt in (PROMPTS[0], PROMPTS[1]):
+        ids = torch.tensor([prompt])
+        mask = torch.ones_like(ids)
+        stock = run(model, ids, mask, patched=False, **OPTIONS[option])
+        paged = run(model, ids, mask, patched=True, **OPTIONS[option])
+        assert same(paged, stock), f"{option} {prompt}"
+    assert len(engine_count) == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_patched_equals_stock_padded_batch(tiny_model, engine_count, arch):
+    model = tiny_model(arch)
+    ids, mask = left_pad(PROMPTS)
+    for option in ("greedy", "repetition_penalty", "scores_logits"):
+        stock = run(model, ids, mask, patched=False, **OPTIONS[option])
+        paged = run(model, ids, mask, patched=True, **OPTIONS[option])
+        assert same(paged, stock), f"{arch} {option}"
+    assert len(engine_count) == 3
+
+
+def test_eos_rows_right_padded(tiny_model):
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS)
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    eos = int(stock[0, ids.shape[1]])  # make the first row stop at once with this token as EOS
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=3)
+    stock = model.generate(ids, **kwargs)
+    with paged_transformers.patch():
+        paged = model.generate(ids, **kwargs)
+    assert torch.equal(paged, stock)
+    assert paged[0, ids.shape[1] + 1 :].eq(3).all()
+
+
+def test_beam_search_falls_back_to_paged_cache(tiny_model, engine_count, caplog, monkeypatch):
+    monkeypatch.setattr(patch_module, "_LOGGED", set())
+    seen = []
+    original = PagedCache.reorder_cache
+    monkeypatch.setattr(PagedCache, "reorder_cache", lambda self, idx: (seen.append(1), original(self, idx)))
+    model = tiny_model("qwen2")
+    ids, mask = left_pad(PROMPTS)
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="paged_transformers"), paged_transformers.patch():
+        paged = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False)
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=3, do_sample=False)
+    assert torch.equal(paged, stock)
+    assert seen and not engine_count
+    assert sum("beam search" in r.message for r in caplog.records) == 1  # logged once
+
+
+def test_unpatch_and_context_manager():
+    from transformers import GenerationMixin
+
+    original = GenerationMixin.generate
+    handle = paged_transformers.patch()
+    assert GenerationMixin.generate is not original and paged_transformers.patches.is_patched()
+    paged_transformers.patch()  # idempotent
+    paged_transformers.unpatch()
+    assert GenerationMixin.generate is original
+    with handle:
+        pass  # __exit__ unpatches even when already unpatched
+    with paged_transformers.patch():
+        assert GenerationMixin.generate is not original
+    assert GenerationMixin.generate is original
+
+
+def test_forward_and_training_unchanged(tiny_model):
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (2, 12))
+
+    def loss_and_grads(model):
+        model.train()
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.eval()
+        return loss.detach(), grads
+
+    reference = tiny_model("llama", seed=5)
+    ref_loss, ref_grads = loss_and_grads(reference)
+    ref_logits = reference(ids).logits
+    with paged_transformers.patch():
+        model = tiny_model("llama", seed=5)
+        model.generate(ids[:, :4], attention_mask=torch.ones(2, 4, dtype=torch.long), max_new_tokens=3, do_sample=False)
+        assert model.config._attn_implementation == reference.config._attn_implementation
+        loss, grads = loss_and_grads(model)
+        assert torch.equal(model(ids).logits, ref_logits)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+class Boom(LogitsProcessor):
+    """Raises for one prompt (recognised by its first token), passes the others through."""
+
+    def __init__(self, bad_first_token):
+        self.bad_first_token = bad_first_token
+
+    def __call__(self, input_ids, scores):
+        if int(input_ids[0, 0]) == self.bad_first_token:
+            raise KeyError("boom")
+        return scores
+
+
+def test_failing_processor_fails_only_its_row(tiny_model):
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS)
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    with paged_transformers.patch(), pytest.raises(KeyError, match="boom") as info:
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, logits_processor=[Boom(PROMPTS[1][0])])
+    assert list(info.value.paged_failed_rows) == [1]
+    partial = info.value.paged_partial_output
+    for row in (0, 2, 3):
+        assert torch.equal(partial[row, : stock.shape[1]], stock[row])
+    # the engine API: the failed request carries its exception, the others finish
+    outs = paged_generate(model, PROMPTS, generation_config=GenerationConfig(max_new_tokens=5, do_sample=False),
+                          logits_processor=[Boom(PROMPTS[1][0])], use_tqdm=False)
+    assert isinstance(outs[1].outputs[0].error, KeyError) and outs[1].outputs[0].finish_reason == "abort"
+    assert all(outs[i].outputs[0].error is None and outs[i].outputs[0].finish_reason in ("stop", "length") for i in (0, 2, 3))
+
+
+@pytest.mark.parametrize(
+    "option, name",
+    [(dict(num_beams=2), "num_beams"), (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
+     (dict(guidance_scale=1.5), "guidance_scale"), (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions")],
+)
+def test_unsupported_options_raise(tiny_model, option, name):
+    model = tiny_model("llama")
+    with pytest.raises(NotImplementedError, match=name):
+        paged_generate(model, PROMPTS[:1], generation_config=GenerationConfig(max_new_tokens=3, **option), use_tqdm=False)
