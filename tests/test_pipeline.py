@@ -1,0 +1,54 @@
+"""``pipeline("text-generation")`` on a patched model returns what stock returns (SmolLM2, fp32 CPU):
+6 prompts with batch_size 4, return_full_text, chat-message inputs; the batches run on the engine."""
+
+import pytest
+import torch
+from transformers import pipeline
+
+import paged_transformers
+from paged_transformers.patches import generate as patch_module
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Three colors are",
+    "The best way to learn is",
+    "Water boils at",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a fruit."}],
+]
+
+
+def test_pipeline_matches_stock(smollm2, monkeypatch):
+    model, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    kwargs = dict(batch_size=4, max_new_tokens=8, do_sample=False)
+    stock = pipe(PROMPTS, **kwargs)
+    stock_new = pipe(PROMPTS, return_full_text=False, **kwargs)
+    stock_chat = pipe(CHATS, **kwargs)
+
+    engines = []
+    original = patch_module.LLMEngine
+    monkeypatch.setattr(patch_module, "LLMEngine", lambda *a, **k: engines.append(1) or original(*a, **k))
+    with paged_transformers.patch():
+        assert pipe(PROMPTS, **kwargs) == stock
+        assert pipe(PROMPTS, return_full_text=False, **kwargs) == stock_new
+        assert pipe(CHATS, **kwargs) == stock_chat
+    assert len(engines) == 2 + 2 + 1  # 6 prompts in batches of 4 -> 2 engine runs each; 2 chats -> 1
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from paged_transformers.default_model import default_model_path
+
+        path = default_model_path()
+    except Exception as e:  # noqa: BLE001 - the optional package is missing
+        pytest.skip(f"SmolLM2 unavailable: {e}")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
