@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     _add_engine_args(gen)
     gen.set_defaults(func=generate_main)
+    from . import bench
+
+    bench_parser = sub.add_parser("bench", help="offline throughput: the paged engine vs stock transformers")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=bench.bench_main)
     return parser
 
 

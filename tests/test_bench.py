@@ -1,0 +1,92 @@
+"""The bench command on CPU: workload generation, the analytic roofline, ratios, and the JSON report of a
+tiny end-to-end run of all three engines (torch attention backend). Speed is measured on the GPU, never here."""
+
+import json
+
+import numpy as np
+import pytest
+
+from paged_transformers import bench
+from paged_transformers.cli import main as cli_main
+
+
+def test_synthetic_workload_is_seeded_and_in_range():
+    a = bench.synthetic_workload(50, (3, 9), (1, 4), vocab_size=100, seed=0)
+    b = bench.synthetic_workload(50, (3, 9), (1, 4), vocab_size=100, seed=0)
+    c = bench.synthetic_workload(50, (3, 9), (1, 4), vocab_size=100, seed=1)
+    assert a == b and a != c
+    assert {len(r.prompt_token_ids) for r in a} == set(range(3, 10))  # both ends reached
+    assert {r.output_len for r in a} == {1, 2, 3, 4}
+    assert all(0 <= t < 100 for r in a for t in r.prompt_token_ids)
+    with pytest.raises(ValueError, match="input_len_range"):
+        bench.synthetic_workload(1, (5, 4), (1, 1), 10, 0)
+
+
+def test_load_jsonl(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": [1, 2, 3], "output_len": 4}\n\n{"prompt": [5], "output_len": 1}\n')
+    assert bench.load_jsonl(str(path)) == [bench.BenchRequest([1, 2, 3], 4), bench.BenchRequest([5], 1)]
+    path.write_text('{"prompt": "hello", "output_len": 4}\n')
+    with pytest.raises(ValueError, match="tokenizer"):
+        bench.load_jsonl(str(path))
+    path.write_text('{"text": [1], "output_len": 4}\n')
+    with pytest.raises(ValueError, match="'prompt' and 'output_len'"):
+        bench.load_jsonl(str(path))
+
+
+def test_workload_roofline_by_hand():
+    """Two requests (p=2, o=3) and (p=4, o=1): prefill compute-bound, two decode steps of one request."""
+    reqs = [bench.BenchRequest([0, 0], 3), bench.BenchRequest([0] * 4, 1)]
+    costs = {"weight_bytes_per_step": 1000, "kv_bytes_per_token": 10, "linear_flops_per_token": 100,
+             "attention_flops_per_token_key": 2}
+    bw, rate = 100.0, 1000.0
+    roof = bench.workload_roofline(reqs, costs, bw, rate)
+    prefill = (100 * 2 + 2 * 4 / 2 + 100 * 4 + 2 * 16 / 2) / rate
+    # decode k=1: only request 0 (o=3 > 1), context 2+1; k=2: context 2+2; bytes dominate
+    decode = (1000 + 10 * 3) / bw + (1000 + 10 * 4) / bw
+    assert roof["prefill_s"] == pytest.approx(prefill)
+    assert roof["decode_s"] == pytest.approx(decode)
+    assert roof["output_tokens_per_s"] == pytest.approx(4 / (prefill + decode))
+    assert roof["total_tokens_per_s"] == pytest.approx(10 / (prefill + decode))
+
+
+def test_ratios_side_by_side():
+    engines = {"paged": {"output_tokens_per_s": 300.0, "num_requests": 8},
+               "hf_generate": {"output_tokens_per_s": 20.0, "num_requests": 4},
+               "hf_cb": {"output_tokens_per_s": 30.0, "num_requests": 4}}
+    r = bench.ratios(engines)
+    assert r["paged_vs_hf_generate"]["output_tokens_per_s"] == pytest.approx(15.0)
+    assert r["paged_vs_hf_cb"]["output_tokens_per_s"] == pytest.approx(10.0)
+    assert r["paged_vs_hf_cb"]["other_num_requests"] == 4
+
+
+def test_bench_command_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    status = cli_main(["bench", "--model", "tiny-llama", "--dtype", "float32", "--device", "cpu",
+                       "--num-requests", "6", "--input-len-range", "4", "24", "--output-len-range", "1", "6",
+                       "--compare", "hf-generate,hf-cb", "--compare-num-requests", "4", "--hf-batch-size", "2",
+                       "--attention-backend", "torch", "--output-json", str(out)])
+    assert status == 0
+    report = json.loads(out.read_text())
+    for key in ("versions", "device", "workload", "engine_config", "engines", "roofline", "ratios"):
+        assert key in report, key
+    assert "output_tokens_per_s" in report["roofline"]  # None on CPU: no ceilings measured
+    assert report["workload"]["num_requests"] == 6 and report["workload"]["ignore_eos"] is True
+    for name in ("paged", "hf_generate", "hf_cb"):
+        e = report["engines"][name]
+        assert "error" not in e, e
+        for key in ("output_tokens_per_s", "total_tokens_per_s", "ttft_s", "tpot_s", "peak_memory_gib"):
+            assert key in e, (name, key)
+        assert set(e["ttft_s"]) == {"mean", "p50", "p99"}
+    paged = report["engines"]["paged"]
+    assert paged["num_requests"] == 6 and report["engines"]["hf_cb"]["num_requests"] == 4
+    assert paged["output_tokens"] == report["workload"]["output_tokens"]
+    assert paged["kv_capacity_tokens"] == paged["kv_blocks_total"] * report["engine_config"]["block_size"]
+    assert 0 < paged["kv_blocks_used"] <= paged["kv_blocks_total"]
+    # every engine made exactly the requested tokens, and the fp32 greedy first tokens agree with paged
+    assert report["engines"]["hf_cb"]["output_tokens"] == report["engines"]["hf_generate"]["output_tokens"]
+    assert report["engines"]["hf_generate"]["first_token_agreement_with_paged"] == 1.0
+    ratio = report["ratios"]["paged_vs_hf_generate"]["output_tokens_per_s"]
+    assert ratio == pytest.approx(paged["output_tokens_per_s"] / report["engines"]["hf_generate"]["output_tokens_per_s"])
+    assert np.isfinite(paged["tpot_s"]["p99"])
+    assert "paged_vs_hf_cb" in capsys.readouterr().out  # the table is printed
