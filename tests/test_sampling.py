@@ -1,0 +1,223 @@
+"""Sampling and stopping through the engine, checked against stock transformers.
+
+References: stock ``model.generate()`` (greedy, ``min_new_tokens``, ``eos_token_id``), the stock model's
+own logits by teacher forcing (logprobs; the support of top-k / top-p / min-p), and exact
+probabilities for the sampler's draws on fixed logits.
+"""
+
+import pytest
+import torch
+
+from conftest import check_block_invariants, random_prompts, stock_greedy
+from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate
+
+PROMPTS = random_prompts(6, 5, 60, seed=1)
+
+
+@pytest.fixture
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+def run(model, prompts, params, engine_config=None):
+    """paged_generate, returning the first completion of each prompt."""
+    outs = paged_generate(model, prompts, params, engine_config=engine_config, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@torch.inference_mode()
+def stock_logits(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Teacher forcing: the stock model's raw logits ``[len(output), vocab]`` float32 that chose each output token."""
+    ids = torch.tensor([prompt + output[:-1]])
+    logits = model(ids).logits[0].float()
+    return logits[len(prompt) - 1 :]
+
+
+# -- seeds ---------------------------------------------------------------------------------------
+def test_seeded_request_ignores_the_rest_of_the_batch(llama, engine_spy):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = run(llama, [PROMPTS[0]], seeded)[0].token_ids
+
+    others = [SamplingParams(temperature=0.7, max_tokens=5 + i, ignore_eos=True) for i in range(4)]
+    others.append(SamplingParams(temperature=1.0, seed=99, max_tokens=9, ignore_eos=True))
+    torch.manual_seed(7)  # the unseeded rows draw from the global stream; it must not matter
+    in_batch = run(llama, PROMPTS[1:] + [PROMPTS[0]], others + [seeded])
+    assert in_batch[-1].token_ids == alone
+
+    # ... also when the batch preempts it and chunks prompts (pool of 10 blocks of 8 tokens).
+    small = EngineConfig(block_size=8, num_gpu_blocks=10, max_model_len=80, max_num_batched_tokens=24)
+    crowded = run(llama, PROMPTS[1:] + [PROMPTS[0]], others + [seeded], engine_config=small)
+    assert crowded[-1].token_ids == alone
+    assert sum(seq.num_preemptions for seq in engine_spy[-1].seen_seqs.values()) > 0
+
+    # Not vacuous: another seed, or greedy, gives other tokens.
+    other_seed = run(llama, [PROMPTS[0]], SamplingParams(temperature=1.0, seed=1235, max_tokens=16, ignore_eos=True))
+    greedy = run(llama, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert other_seed[0].token_ids != alone and greedy[0].token_ids != alone
+
+
+def test_top_k_1_is_greedy(llama):
+    greedy = run(llama, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
+    top1 = run(llama, PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=12))
+    assert [c.token_ids for c in top1] == [c.token_ids for c in greedy]
+
+
+# -- stopping ------------------------------------------------------------------------------------
+def test_eos_min_tokens_ignore_eos(llama, monkeypatch):
+    """Make the prompt's first greedy token the EOS, then check each stopping rule against stock generate."""
+    prompt = PROMPTS[2]
+    first = stock_greedy(llama, prompt, 1)[0][0]
+    monkeypatch.setattr(llama.generation_config, "eos_token_id", first)
+
+    (stop,) = run(llama, [prompt], SamplingParams(temperature=0.0, max_tokens=10))
+    assert stop.token_ids == [first] and stop.finish_reason == "stop"
+
+    (held,) = run(llama, [prompt], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5))
+    want, _ = stock_greedy(llama, prompt, 10, min_new_tokens=5)
+    assert held.token_ids == want
+    assert first not in held.token_ids[:5] and len(held.token_ids) >= 5
+
+    (ignored,) = run(llama, [prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert ignored.token_ids[0] == first and len(ignored.token_ids) == 6 and ignored.finish_reason == "length"
+    monkeypatch.setattr(llama.generation_config, "eos_token_id", None)
+    want, _ = stock_greedy(llama, prompt, 6)
+    assert ignored.token_ids == want
+
+
+def test_stop_token_ids_and_length(llama):
+    prompt = PROMPTS[3]
+    want, _ = stock_greedy(llama, prompt, 12)
+    assert 2 not in want, "the reference should run to max_tokens for this test"
+    k = next(k for k in range(2, len(want)) if want[k] not in want[:k])
+    (full,) = run(llama, [prompt], SamplingParams(temperature=0.0, max_tokens=12))
+    assert full.token_ids == want and full.finish_reason == "length" and full.stop_reason is None
+
+    (stopped,) = run(llama, [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[want[k]]))
+    assert stopped.token_ids == want[: k + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == want[k]
+
+    (held,) = run(llama, [prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=k + 1,
+                                                  stop_token_ids=[want[k]]))
+    assert held.token_ids[:k] == want[:k] and held.token_ids[k] != want[k]
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_are_log_softmax_of_stock_logits(llama, temperature):
+    """Logprobs are of the raw logits (before temperature), as the SamplingParams docstring says."""
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=10, logprobs=4, ignore_eos=True)
+    completions = run(llama, PROMPTS[:3], params)
+    for prompt, c in zip(PROMPTS[:3], completions):
+        ref = torch.log_softmax(stock_logits(llama, prompt, c.token_ids), dim=-1)
+        assert len(c.logprobs) == len(c.token_ids) == 10
+        total = 0.0
+        for step, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            top = ref[step].topk(4)
+            want = {int(i): float(v) for i, v in zip(top.indices, top.values)}
+            want[tok] = float(ref[step, tok])
+            assert lp.keys() == want.keys(), f"step {step}: top-4 ids {sorted(lp)} != {sorted(want)}"
+            for t, v in want.items():
+                assert lp[t] == pytest.approx(v, abs=1e-4)
+            total += lp[tok]
+        assert c.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+# -- support of top-k / top-p / min-p ---------------------------------------------------------------
+def _allowed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, tol: float = 1e-4):
+    """Tokens a correct sampler may draw from ``logits [vocab]`` (borderline ones within ``tol`` included)."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    allowed = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0:
+        allowed[order[top_k:]] = False
+        kept = probs[order[:top_k]]
+        probs = torch.zeros_like(probs).scatter(0, order[:top_k], kept / kept.sum())
+    sorted_probs = probs[order]
+    mass_before = sorted_probs.cumsum(0) - sorted_probs
+    allowed[order[mass_before > top_p + tol]] = False
+    allowed &= probs >= min_p * probs.max() - tol
+    return allowed
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.3), (8, 0.8, 0.1)],
+    ids=["top_k", "top_p", "min_p", "all"],
+)
+def test_sampled_tokens_stay_in_the_support(llama, top_k, top_p, min_p):
+    temperature = 1.5
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=s,
+                             max_tokens=24, ignore_eos=True) for s in range(len(PROMPTS))]
+    completions = run(llama, PROMPTS, params)
+    not_argmax = wide = 0
+    for prompt, c in zip(PROMPTS, completions):
+        logits = stock_logits(llama, prompt, c.token_ids)
+        for step, tok in enumerate(c.token_ids):
+            allowed = _allowed(logits[step], temperature, top_k, top_p, min_p)
+            assert allowed[tok], f"step {step}: token {tok} outside the support {allowed.nonzero().flatten().tolist()}"
+            not_argmax += tok != int(logits[step].argmax())
+            wide += int(allowed.sum()) > 1
+    # Not vacuous: it sampled (not only argmax), and the support was usually wider than one token.
+    assert not_argmax > 10 and wide > len(PROMPTS) * 24 // 2
+
+
+def _draws(logits_row: list[float], num: int, **params) -> torch.Tensor:
+    """``num`` seeded draws from one fixed logits row through the engine's sampler."""
+    from paged_transformers.sampling import Sampler
+    from paged_transformers.sequence import Sequence
+
+    sp = SamplingParams(**params)
+    seqs = [Sequence(str(i), 0, [0], sp, torch.Generator().manual_seed(i)) for i in range(num)]
+    logits = torch.tensor([logits_row] * num)
+    return torch.tensor([r.token_id for r in Sampler(set(), len(logits_row)).sample(logits, seqs)])
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        ({}, [0.5, 0.3, 0.15, 0.05]),
+        ({"top_p": 0.7}, [0.5 / 0.8, 0.3 / 0.8, 0, 0]),  # mass before token 2 is 0.8 >= 0.7
+        ({"top_p": 0.85}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),
+        ({"top_k": 2}, [0.5 / 0.8, 0.3 / 0.8, 0, 0]),
+        ({"min_p": 0.25}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),  # 0.05 < 0.25 * 0.5
+        ({"min_p": 0.7}, [1.0, 0, 0, 0]),
+    ],
+    ids=["plain", "top_p=0.7", "top_p=0.85", "top_k=2", "min_p=0.25", "min_p=0.7"],
+)
+def test_sampler_distribution(params, expected):
+    """Draw frequencies match the renormalised target distribution (4000 seeded draws; 4 sigma)."""
+    num = 4000
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    draws = _draws(probs.log().tolist(), num, temperature=1.0, **params)
+    freq = torch.bincount(draws, minlength=4).double() / num
+    want = torch.tensor(expected, dtype=torch.float64)
+    assert ((freq > 0) == (want > 0)).all(), f"support {freq.tolist()} != {want.tolist()}"
+    sigma = (want * (1 - want) / num).sqrt()
+    assert ((freq - want).abs() <= 4 * sigma + 1e-9).all(), f"frequencies {freq.tolist()} vs {want.tolist()}"
+
+
+def test_temperature_sharpens(llama):
+    """Lower temperature -> the draws agree with argmax more often (checked by teacher forcing)."""
+    agree = {}
+    for temperature in (0.3, 3.0):
+        params = [SamplingParams(temperature=temperature, seed=s, max_tokens=16, ignore_eos=True) for s in range(6)]
+        completions = run(llama, PROMPTS, params)
+        agree[temperature] = sum(
+            int((stock_logits(llama, p, c.token_ids).argmax(-1) == torch.tensor(c.token_ids)).sum())
+            for p, c in zip(PROMPTS, completions)
+        )
+    assert agree[0.3] > agree[3.0]
+
+
+def test_engine_step_invariants_with_sampling(llama):
+    """Mixed greedy / seeded / unseeded requests with a small pool: blocks stay within bounds each step."""
+    config = EngineConfig(block_size=8, num_gpu_blocks=12, max_model_len=90, max_num_batched_tokens=32)
+    with LLMEngine(llama, engine_config=config) as engine:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i if i % 3 else None,
+                                                              max_tokens=20, ignore_eos=True))
+        finished = 0
+        while engine.has_unfinished_requests():
+            finished += sum(o.finished for o in engine.step())
+            check_block_invariants(engine)
+        bm = engine.cache.block_manager
+        assert finished == len(PROMPTS) and bm.num_free_blocks == bm.num_blocks
