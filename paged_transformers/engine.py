@@ -71,6 +71,14 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         model_config = model.config
+        # NOTE: _can_set_attn_implementation is transformers' own source heuristic; it says True for
+        # models with no attention class at all (Mamba), so the config must also name attention heads.
+        has_attention = getattr(model_config.get_text_config(), "num_attention_heads", None)
+        if not has_attention or not getattr(model, "_can_set_attn_implementation", lambda: False)():
+            raise ValueError(
+                f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+                "so the paged engine cannot replace its attention"
+            )
         self.vocab_size = model_config.get_text_config().vocab_size
         max_positions = getattr(model_config.get_text_config(), "max_position_embeddings", None)
         self.max_model_len = self.config.max_model_len or max_positions
@@ -78,11 +86,6 @@ class LLMEngine:
             raise ValueError("the model config has no max_position_embeddings; set EngineConfig.max_model_len")
         if max_positions is not None and self.max_model_len > max_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={max_positions}")
-        if not getattr(model, "_can_set_attn_implementation", lambda: False)():
-            raise ValueError(
-                f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-                "so the paged engine cannot replace its attention"
-            )
 
         param = next(model.parameters())
         device, dtype = param.device, _compute_dtype(model)
