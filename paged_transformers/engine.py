@@ -6,6 +6,7 @@ outputs.
 """
 
 import copy
+import operator
 import time
 from dataclasses import dataclass
 
@@ -134,7 +135,8 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt (string prompts need the tokenizer).
+        """Token ids of a prompt (string prompts need the tokenizer). Token ids may be a list or tuple of
+        ints, a 1-D ``torch.Tensor`` or numpy array, or a list of numpy/torch integer scalars.
 
         Raises:
             ValueError: a string prompt without a tokenizer, or a prompt of another type.
@@ -143,11 +145,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"prompt {prompt[:40]!r} is a string but no tokenizer was given; pass tokenizer= or token ids")
             return list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, torch.Tensor):
+        if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        return list(prompt)
+        return [_as_token_id(t) for t in prompt]
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Check a tokenized prompt against the vocabulary and the engine's limits.
@@ -352,6 +354,16 @@ def _with_pending_forks(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[tor
         return logits, seqs
     forks = [fork for seq in seqs for fork in seq.pending_forks]
     return torch.cat([logits, logits[rows]]), seqs + forks
+
+
+def _as_token_id(token):
+    """numpy / torch integer scalars as ``int``; anything else unchanged, for ``validate_prompt`` to name."""
+    if isinstance(token, int):
+        return token
+    try:
+        return operator.index(token)
+    except TypeError:
+        return token
 
 
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
