@@ -1,0 +1,230 @@
+"""Bad input: each case raises a ValueError that names the bad value, leaves the other requests running
+with unchanged results, and leaks no KV block.
+
+Policy for prompt + max_tokens over max_model_len (EngineConfig docstring): the request is accepted and
+capped; it finishes with ``finish_reason="length"`` when it reaches ``max_model_len`` tokens.
+"""
+
+import re
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from conftest import VOCAB_SIZE, assert_pool_whole, check_block_invariants, random_prompts, stock_greedy
+from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate
+
+PROMPTS = random_prompts(3, 10, 40, seed=3)
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+CONFIG = EngineConfig(block_size=8, max_model_len=64, max_num_batched_tokens=16)  # chunked, several steps
+
+
+@pytest.fixture
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+def assert_rejected_mid_run(model, bad_call, match: str) -> None:
+    """Start three greedy requests, step twice, make ``bad_call(engine)`` (it must raise a ValueError
+    matching ``match``), then finish: nothing was queued or allocated by the bad call, the three
+    results equal stock generate, and the pool is whole."""
+    with LLMEngine(model, engine_config=CONFIG) as engine:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, GREEDY)
+        results = {}
+        for _ in range(2):
+            for out in engine.step():
+                results[out.request_id] = out
+        bm = engine.cache.block_manager
+        before = (bm.num_free_blocks, {k: list(v) for k, v in bm.block_tables.items()}, list(engine.requests),
+                  len(engine.scheduler.waiting), len(engine.scheduler.running))
+        with pytest.raises(ValueError, match=match):
+            bad_call(engine)
+        after = (bm.num_free_blocks, {k: list(v) for k, v in bm.block_tables.items()}, list(engine.requests),
+                 len(engine.scheduler.waiting), len(engine.scheduler.running))
+        assert after == before, "the rejected request changed the engine's state"
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                results[out.request_id] = out
+            check_block_invariants(engine)
+        assert_pool_whole(engine)
+    assert sorted(results) == ["0", "1", "2"]
+    for i, prompt in enumerate(PROMPTS):
+        assert results[str(i)].outputs[0].token_ids == stock_greedy(model, prompt, MAX_TOKENS)[0]
+
+
+# -- prompts -------------------------------------------------------------------------------------
+def test_empty_prompt(llama):
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", [], GREEDY), "empty")
+    with pytest.raises(ValueError, match=r"prompt 1: .*empty"):
+        paged_generate(llama, [[5, 6], []], GREEDY, use_tqdm=False)
+
+
+def test_prompt_longer_than_max_model_len(llama):
+    too_long = list(range(3, 3 + 70))  # 70 tokens, max_model_len 64
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", too_long, GREEDY), r"70 tokens.*max_model_len=64")
+    # paged_generate checks every prompt before queuing any: no block was ever allocated.
+    allocated = []
+    original = LLMEngine.add_request
+
+    def spy(self, *args, **kwargs):
+        allocated.append(self.cache.block_manager.num_used_blocks)
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LLMEngine, "add_request", spy)
+        with pytest.raises(ValueError, match=r"prompt 2: .*70 tokens"):
+            paged_generate(llama, [PROMPTS[0], PROMPTS[1], too_long], GREEDY, engine_config=CONFIG, use_tqdm=False)
+    assert allocated == [], "requests were queued before the bad prompt was found"
+    assert llama.config._attn_implementation != "paged_transformers"
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_capped(llama, engine_spy):
+    """Policy: cap. 60 prompt tokens + max_tokens 20 under max_model_len 64 -> 4 tokens, "length"."""
+    prompt = random_prompts(1, 60, 60, seed=9)[0]
+    outs = paged_generate(
+        llama, [prompt, PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        engine_config=CONFIG, use_tqdm=False,
+    )
+    capped, other = outs[0].outputs[0], outs[1].outputs[0]
+    assert capped.finish_reason == "length" and len(capped.token_ids) == 64 - 60
+    assert capped.token_ids == stock_greedy(llama, prompt, 4)[0]
+    assert other.finish_reason == "length" and len(other.token_ids) == 20
+    assert other.token_ids == stock_greedy(llama, PROMPTS[0], 20)[0]
+    assert_pool_whole(engine_spy[0])
+    # A prompt of exactly max_model_len tokens leaves no room for an output token: rejected.
+    with pytest.raises(ValueError, match=r"64 tokens.*max_model_len=64"):
+        paged_generate(llama, [list(range(3, 67))], GREEDY, engine_config=CONFIG, use_tqdm=False)
+
+
+@pytest.mark.parametrize("bad_ids", [[5, -1, 6], [5, VOCAB_SIZE], [5, 2.0], [True, 5]], ids=["negative", "vocab", "float", "bool"])
+def test_token_ids_outside_the_vocabulary(llama, bad_ids):
+    shown = re.escape(repr(bad_ids[1] if bad_ids[0] == 5 else bad_ids[0]))
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", bad_ids, GREEDY), rf"vocabulary.*{shown}")
+
+
+def test_numpy_and_tensor_token_ids_are_accepted(llama):
+    np = pytest.importorskip("numpy")
+    ids = PROMPTS[0]
+    outs = paged_generate(llama, [torch.tensor(ids), np.array(ids), [np.int64(t) for t in ids]], GREEDY, use_tqdm=False)
+    want = stock_greedy(llama, ids, MAX_TOKENS)[0]
+    assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+
+
+def test_string_prompt_without_tokenizer(llama):
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", "hello there", GREEDY), r"'hello there'.*tokenizer")
+    with pytest.raises(ValueError, match=r"prompt 0: .*'hi'.*tokenizer"):
+        paged_generate(llama, ["hi"], GREEDY, use_tqdm=False)
+
+
+def test_prompt_of_another_type(llama):
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", 42, GREEDY), r"int")
+
+
+def test_duplicate_request_id(llama):
+    assert_rejected_mid_run(llama, lambda e: e.add_request("1", PROMPTS[0], GREEDY), r"'1'")
+
+
+# -- sampling parameters --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field, value",
+    [("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0),
+     ("top_p", 1.5), ("top_p", -0.1), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1), ("n", 0)],
+)
+def test_sampling_params_out_of_range(field, value):
+    with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_over_max_tokens():
+    with pytest.raises(ValueError, match=r"min_tokens=5.*max_tokens=2"):
+        SamplingParams(min_tokens=5, max_tokens=2)
+
+
+def test_bad_sampling_params_object(llama):
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", PROMPTS[0], {"max_tokens": 3}), r"SamplingParams.*dict")
+    with pytest.raises(ValueError, match=r"2 sampling_params for 3 prompts"):
+        paged_generate(llama, PROMPTS, [GREEDY, GREEDY], use_tqdm=False)
+
+
+# -- models and engine configuration ---------------------------------------------------------------
+class ToyAttention(nn.Module):
+    """Attention that calls torch directly, not through transformers' attention interface."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class ToyConfig(transformers.PretrainedConfig):
+    model_type = "paged_transformers_toy"
+
+    def __init__(self, vocab_size=32, hidden_size=16, num_attention_heads=1, num_hidden_layers=1,
+                 max_position_embeddings=64, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.num_attention_heads, self.num_hidden_layers = num_attention_heads, num_hidden_layers
+        self.max_position_embeddings = max_position_embeddings
+
+
+class ToyForCausalLM(transformers.PreTrainedModel):
+    config_class = ToyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.attn = ToyAttention(config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    def forward(self, input_ids, **kwargs):
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.lm_head(self.attn(self.embed(input_ids))))
+
+
+def _non_interface_models():
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
+    mamba = transformers.MambaForCausalLM(
+        transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4)
+    )
+    return {"bloom": bloom, "custom": ToyForCausalLM(ToyConfig()), "mamba": mamba}
+
+
+@pytest.mark.parametrize("name", ["bloom", "custom", "mamba"])
+def test_model_without_attention_interface(name):
+    model = _non_interface_models()[name].eval()
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=type(model).__name__):
+        LLMEngine(model, engine_config=EngineConfig(max_model_len=64))
+    with pytest.raises(ValueError, match=type(model).__name__):
+        paged_generate(model, [[1, 2, 3]], GREEDY, engine_config=EngineConfig(max_model_len=64), use_tqdm=False)
+    assert model.config._attn_implementation == before
+
+
+def test_pool_too_small_for_one_max_length_request(llama):
+    with pytest.raises(ValueError, match=r"3 blocks of 16 tokens.*13 blocks one max_model_len=200"):
+        LLMEngine(llama, engine_config=EngineConfig(block_size=16, num_gpu_blocks=3, max_model_len=200))
+    # The same from a byte budget: 4 KiB holds no 16-token block of this model (2 layers x K,V x 2 heads x 16 x fp32 = 8 KiB).
+    with pytest.raises(ValueError, match=r"0 blocks.*max_model_len=200"):
+        paged_generate(llama, PROMPTS, GREEDY, use_tqdm=False,
+                       engine_config=EngineConfig(kv_cache_memory_bytes=4096, max_model_len=200))
+    assert llama.config._attn_implementation != "paged_transformers"
+
+
+def test_max_model_len_over_the_model(llama):
+    with pytest.raises(ValueError, match=r"max_model_len=1000.*max_position_embeddings=512"):
+        LLMEngine(llama, engine_config=EngineConfig(max_model_len=1000))
+
+
+@pytest.mark.parametrize(
+    "field, value", [("block_size", 0), ("max_num_seqs", -1), ("max_num_batched_tokens", 0), ("num_gpu_blocks", 0),
+                     ("max_model_len", -5), ("gpu_memory_utilization", 1.5), ("attention_backend", "cuda")],
+)
+def test_engine_config_out_of_range(field, value):
+    with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
+        EngineConfig(**{field: value})
