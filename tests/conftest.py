@@ -9,9 +9,19 @@ weights drawn at ``initializer_range=0.15`` (logits spread enough that greedy ne
 margin of each step's raw logits.
 """
 
+import os
+
 import pytest
 import torch
-import transformers
+
+# NOTE: Triton picks interpreter or compiler when a kernel is defined, and triton.language's own helpers
+# (tl.sum, tl.max, tl.cdiv...) are defined when triton is first imported, which importing
+# paged_transformers does. Without CUDA, Triton kernels can only run interpreted, so set the variable
+# here, before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import transformers  # noqa: E402
 
 # NOTE: one intra-op thread. These tests run many tiny ops; with 2 threads on a 2-core machine that
 # is also running anything else, thread contention made them ~50x slower (0.2 s -> 13 s per run).
