@@ -189,13 +189,13 @@ def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
         part_out = part_ml = out  # unused
     kernels._unified_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
         out, part_out, part_ml, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        num_seqs, scale, softcap or 1.0, sliding_window or 0,
+        num_seqs, num_kv_splits, scale, softcap or 1.0, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=key_cache.shape[1],
         BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, ONE_TILE_PER_SEQ=one_tile_per_seq,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
-        SPLIT=split, NUM_SPLITS=num_kv_splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SPLIT=split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         # NOTE: Triton 3.9's interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits;
         # on CPU (interpreter only) bf16 operands are widened to fp32 before each dot.
         UPCAST_DOT=query.device.type != "cuda" and query.dtype == torch.bfloat16,
@@ -203,9 +203,8 @@ def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
     )
     if split:
         kernels._merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_ml, query_start_loc, num_seqs, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=next_power_of_2(num_kv_splits), num_warps=4,
+            out, part_out, part_ml, query_start_loc, num_seqs, num_kv_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=next_power_of_2(num_kv_splits), num_warps=4,
         )
 
 

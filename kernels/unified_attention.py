@@ -131,14 +131,14 @@ def _attend_tiles(
 @triton.jit
 def _unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (SPLIT == False)
-    part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, D_PAD] fp32, unnormalized (SPLIT == True)
-    part_ml_ptr,  # [num_tokens, num_heads, NUM_SPLITS, 2] fp32: running max (log2 units), sum
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, D_PAD] fp32, unnormalized (SPLIT == True)
+    part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] fp32: running max (log2 units), sum
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32, context incl. this step's queries
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    num_seqs, scale, softcap, sliding_window,
+    num_seqs, num_splits, scale, softcap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh,  # query / out strides of token and head (elements)
     stride_cb, stride_cs, stride_ch,  # cache strides of block, slot and head (elements)
     stride_bt,  # block_tables row stride (elements)
@@ -147,10 +147,13 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     ONE_TILE_PER_SEQ: tl.constexpr,  # every sequence has <= BLOCK_Q query rows: tile id == seq
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # dot in fp32: the interpreter's bf16 tl.dot is wrong (see paged_attention)
 ):
-    """One (query tile, KV head, KV split) per program; grid ``(num_q_tiles, num_kv_heads, NUM_SPLITS)``."""
+    """One (query tile, KV head, KV split) per program; grid ``(num_q_tiles, num_kv_heads, num_splits)``.
+
+    ``num_splits`` is a runtime int (a new split count must not recompile); ``SPLIT`` = num_splits > 1.
+    """
     tl.static_assert(BLOCK_Q * NUM_QUERIES_PER_KV <= BLOCK_M)
     G: tl.constexpr = NUM_QUERIES_PER_KV
     q_tile_id = tl.program_id(0)
@@ -198,7 +201,7 @@ def _unified_attention_kernel(
     tile_lo = kv_lo // TILE_N
     tile_hi = tl.cdiv(kv_hi, TILE_N)
     if SPLIT:  # this program's share of the sequence's tiles
-        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
         tile_lo = tl.minimum(tile_lo + split * per_split, tile_hi)
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
     # [tile_lo, free_lo) masked | [free_lo, free_hi) no mask | [free_hi, tile_hi) masked
@@ -226,7 +229,7 @@ def _unified_attention_kernel(
 
     if SPLIT:
         # [BLOCK_M] index of (token, head) in the partial buffers
-        part_row = (token * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        part_row = (token * (G * tl.num_programs(1)) + head) * num_splits + split
         tl.store(part_out_ptr + part_row[:, None] * D_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
         tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_valid)
         tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_valid)
@@ -240,11 +243,11 @@ def _unified_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
-    part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, D_PAD] fp32
-    part_ml_ptr,  # [num_tokens, num_heads, NUM_SPLITS, 2] fp32
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, D_PAD] fp32
+    part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] fp32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    num_seqs, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    num_seqs, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,  # SPLITS_PAD >= num_splits
 ):
     """Log-sum-exp merge of one (token, head)'s splits; grid ``(num_tokens, num_heads)``.
 
@@ -257,8 +260,8 @@ def _merge_splits_kernel(
         return
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    base = (token.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
-    s_mask = offs_s < NUM_SPLITS
+    base = (token.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+    s_mask = offs_s < num_splits
     m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
