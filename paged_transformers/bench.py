@@ -680,8 +680,11 @@ def run_bench(args) -> dict:
     }
     paged_result = None
     if not args.skip_paged:
-        paged_result = run_paged(model, requests, config, batch1_context=None if args.no_batch1 else 512)
-        report["engines"]["paged"] = summarize(paged_result)
+        try:
+            paged_result = run_paged(model, requests, config, batch1_context=None if args.no_batch1 else 512)
+            report["engines"]["paged"] = summarize(paged_result)
+        except Exception as e:  # keep the compared engines' numbers
+            report["engines"]["paged"] = {"error": f"{type(e).__name__}: {e}"}
         _save_partial(report, args)
     subset = requests[: args.compare_num_requests] if args.compare_num_requests else requests
     runners = {"hf_generate": lambda: run_hf_generate(model, subset, args.hf_batch_size),
@@ -704,7 +707,7 @@ def run_bench(args) -> dict:
     report["ratios"] = ratios({k: v for k, v in report["engines"].items() if "error" not in v})
     if peaks["copy_bytes_per_s"]:
         roof = workload_roofline(requests, costs, peaks["copy_bytes_per_s"], peaks["matmul_flops_per_s"])
-        if "paged" in report["engines"]:
+        if "output_tokens_per_s" in report["engines"].get("paged", {}):
             roof["paged_fraction"] = report["engines"]["paged"]["output_tokens_per_s"] / roof["output_tokens_per_s"]
         report["roofline"] = roof
         b1 = report["engines"].get("paged", {}).get("decode_batch1")
