@@ -332,11 +332,7 @@ class PagedCache(Cache):
             table = bm.block_tables.get(seq_id)
             if table is None:
                 continue
-            keep = bm.blocks_for(max(0, max_length - rows.pad_lens[b]))
-            # NOTE: BlockManager has no truncate; release the tail blocks the way free() does.
-            for block_id in reversed(table[keep:]):
-                bm._release(block_id)
-            del table[keep:]
+            bm.truncate(seq_id, bm.blocks_for(max(0, max_length - rows.pad_lens[b])))
         rows.num_dense = max_length
         rows.layer_lens = [min(n, max_length) for n in rows.layer_lens]
         self._build_slot_index()

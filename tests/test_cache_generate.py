@@ -108,9 +108,9 @@ def test_pool_exhaustion_raises(tiny_model):
         model.generate(torch.tensor([[5, 6, 7, 8, 9, 10]]), **{cache_kwarg(model): cache}, max_new_tokens=8, do_sample=False)
 
 
-def test_smollm2_paged_cache(smollm2):
+def test_smollm2_paged_cache(smollm2, monkeypatch):
     model, tokenizer = smollm2
-    tokenizer.padding_side = "left"
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
     batch = tokenizer(["The capital of France is", "One, two, three,"], return_tensors="pt", padding=True)
     for mode in ("greedy", "beams3"):
         cache = PagedCache.from_model(model, num_blocks=128, block_size=16)
@@ -120,14 +120,3 @@ def test_smollm2_paged_cache(smollm2):
         stock = model.generate(**kwargs)
         assert torch.equal(paged, stock), mode
 
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        from paged_transformers.default_model import default_model_path
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = default_model_path()
-    except Exception as e:  # noqa: BLE001 - the optional package is missing
-        pytest.skip(f"SmolLM2 unavailable: {e}")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)

@@ -89,15 +89,3 @@ def test_stop_strings_match_stock(smollm2):
         stock = model.generate(**ids, max_new_tokens=12, do_sample=False, stop_strings=[","], tokenizer=tokenizer)
         assert out.outputs[0].token_ids == stock[0, ids.input_ids.shape[1]:].tolist()
 
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from paged_transformers.default_model import default_model_path
-
-        path = default_model_path()
-    except Exception as e:  # noqa: BLE001 - the optional package is missing
-        pytest.skip(f"SmolLM2 unavailable: {e}")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)

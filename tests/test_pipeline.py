@@ -24,7 +24,7 @@ CHATS = [
 
 def test_pipeline_matches_stock(smollm2, monkeypatch):
     model, tokenizer = smollm2
-    tokenizer.padding_side = "left"
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
     kwargs = dict(batch_size=4, max_new_tokens=8, do_sample=False)
     stock = pipe(PROMPTS, **kwargs)
@@ -40,15 +40,3 @@ def test_pipeline_matches_stock(smollm2, monkeypatch):
         assert pipe(CHATS, **kwargs) == stock_chat
     assert len(engines) == 2 + 2 + 1  # 6 prompts in batches of 4 -> 2 engine runs each; 2 chats -> 1
 
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from paged_transformers.default_model import default_model_path
-
-        path = default_model_path()
-    except Exception as e:  # noqa: BLE001 - the optional package is missing
-        pytest.skip(f"SmolLM2 unavailable: {e}")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)

@@ -67,15 +67,3 @@ def test_text_iterator_streamer_patched(smollm2):
     paged_text, paged_out = streamed(True)
     assert paged_text == stock_text and torch.equal(paged_out, stock_out)
 
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from paged_transformers.default_model import default_model_path
-
-        path = default_model_path()
-    except Exception as e:  # noqa: BLE001 - the optional package is missing
-        pytest.skip(f"SmolLM2 unavailable: {e}")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
