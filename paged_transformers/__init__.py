@@ -15,6 +15,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .generation_config import PerRequest
 from .patches import patch, unpatch
+from .quantization import load_model
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "PerRequest",
+    "load_model",
     "paged_generate",
     "patch",
     "unpatch",
