@@ -174,3 +174,17 @@ def test_n_over_max_num_seqs_is_rejected(model):
         with pytest.raises(ValueError, match="n=3"):
             engine.add_request("x", PROMPT, SamplingParams(n=3))
         assert not engine.has_unfinished_requests()
+
+
+def test_forks_hold_their_max_num_seqs_seats_from_admission(model):
+    reqs = [(PROMPT, seeded()), (OTHERS[0], seeded(seed=2)), (OTHERS[1], seeded(n=1, seed=4))]
+    with engine_for(model) as engine:
+        want = run(engine, reqs)
+    seats = []
+
+    def count(engine):
+        seats.append(sum(1 + len(s.pending_forks) for s in engine.scheduler.running))
+
+    with engine_for(model, max_num_seqs=5) as engine:
+        got = run(engine, reqs, on_step=count)
+    assert max(seats) == 5 and got == want  # never 4 + 4: the second n = 4 request waited
