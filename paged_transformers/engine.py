@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import ATTENTION_NAME, resolve_backend
+from .attention import ATTENTION_NAME, install_step_hooks, resolve_backend
 from .cache import PagedCache
 from .config import EngineConfig
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -107,6 +107,7 @@ class LLMEngine:
 
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
+        self._step_hooks = install_step_hooks(model)
         write_kv, attend = resolve_backend(self.config.attention_backend, device)
         self.runner = ModelRunner(
             model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
@@ -124,6 +125,9 @@ class LLMEngine:
         """Give the model its previous attention implementation back. Unfinished requests are aborted."""
         for request_id in list(self.requests):
             self.abort_request(request_id)
+        for hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks = []
         if self.model.config._attn_implementation == ATTENTION_NAME:
             self.model.set_attn_implementation(self._previous_attn)
 
