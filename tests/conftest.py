@@ -54,6 +54,9 @@ TINY_ARCHS = {
         },
     ),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+    # StableLM's decoder layers do not pass keyword arguments on to attention (transformers 5.24):
+    # the step metadata reaches it through the engine's forward hooks instead.
+    "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM, {}),
 }
 
 

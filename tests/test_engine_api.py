@@ -148,3 +148,15 @@ def test_bf16_model_runs():
     # bf16 rounding differs between paged and SDPA attention: compare where the margin is clear.
     clear = [(f, w[0][0]) for f, w in zip(firsts, want) if w[1][0] > 0.1]
     assert len(clear) >= 3 and all(f == w for f, w in clear)
+
+
+def test_plain_forward_inside_the_engine_is_refused(llama):
+    """Between steps the model's attention is the paged one; a plain forward gets a clear error, not
+    the last step's metadata."""
+    with LLMEngine(llama) as engine:
+        engine.add_request("a", PROMPTS[0], greedy(3))
+        engine.step()
+        with pytest.raises(RuntimeError, match=r"only works inside the paged engine"):
+            llama(torch.tensor([PROMPTS[0]]))
+        while engine.has_unfinished_requests():
+            engine.step()

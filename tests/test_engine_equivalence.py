@@ -3,8 +3,9 @@
 Reference: transformers' own ``generate()`` (do_sample=False, fp32, CPU) on the same weights, each
 prompt alone. Workload: 16 prompts of lengths 1..300 with max_tokens 4..20 on tiny random Llama,
 Qwen2, Mistral (sliding window 48 < prompt lengths), Gemma-2 (soft-capping, alternating sliding
-window) and Phi-3; then the same batch with requests arriving while others decode, with chunked
-prefill forced by a small token budget, and with preemption forced by a small pool.
+window), Phi-3 and StableLM (whose layers drop keyword arguments); then the same batch with requests
+arriving while others decode, with chunked prefill forced by a small token budget, and with
+preemption forced by a small pool.
 
 Near ties: a random model can put two logits within float noise of each other, and then either
 token is a correct greedy choice (see shared/fixtures/README.md, section 5). ``assert_same_greedy``
