@@ -60,6 +60,16 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
 
     Returns:
         ``block_hashes`` (the same list).
+
+    Examples:
+        >>> from paged_transformers.prefix_cache import extend_block_hashes, hash_block_tokens
+        >>> hashes = extend_block_hashes([], list(range(40)), block_size=16)
+        >>> len(hashes)  # tokens 32..39 fill only part of a third block: not hashed
+        2
+        >>> hashes[1] == hash_block_tokens(hashes[0], list(range(16, 32)))
+        True
+        >>> len(extend_block_hashes(hashes, list(range(48)), block_size=16))  # the third block is full now
+        3
     """
     for i in range(len(block_hashes), len(token_ids) // block_size):
         parent = block_hashes[i - 1] if i else None
