@@ -260,9 +260,9 @@ def time_decode(batch, ctx, ceil, rows, sweeps):
 
 
 def launch(b, out, cfg, splits):
+    """All sequences in one launch with tiles ``cfg`` (the config sweeps)."""
     pa.launch_attention(b["query"], b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens"],
-                        b["query_start_loc"], out, D ** -0.5, None, None, b["max_query_len"] <= cfg.block_m // (H // HKV),
-                        splits, cfg)
+                        b["query_start_loc"], out, D ** -0.5, None, None, splits, [pa.QueryBand(cfg, 1, pa.INT32_MAX)])
 
 
 def time_prefill(ceil, rows, sweeps, n=8, L=2048):
@@ -290,13 +290,16 @@ def time_prefill(ceil, rows, sweeps, n=8, L=2048):
 
 
 def time_mixed(rows):
-    """One launch for 1 prefill (2048) + 63 decodes (ctx 4096) vs a prefill launch plus a decode launch."""
+    """1 prefill (2048) + 63 decodes (ctx 4096): paged_attention, one launch of prefill tiles, two separate batches."""
     mixed = paged_batch([2048] + [1] * 63, [2048] + [4096] * 63, seed=30)
     pre = paged_batch([2048], [2048], seed=31)
     dec = paged_batch([1] * 63, [4096] * 63, seed=32)
     o_m, o_p, o_d = (torch.empty_like(b["query"]) for b in (mixed, pre, dec))
-    rows.append(dict(name="mixed 2048 prefill + 63 decodes @4096", variant="one unified launch",
+    rows.append(dict(name="mixed 2048 prefill + 63 decodes @4096", variant="paged_attention (decode + prefill launch)",
                      ms=bench([lambda: call(mixed, out=o_m)])))
+    prefill_tiles = pa.pick_config(2048, H // HKV, D, torch.bfloat16)
+    rows.append(dict(name="mixed 2048 prefill + 63 decodes @4096", variant="one launch, prefill tiles for all",
+                     ms=bench([lambda: launch(mixed, o_m, prefill_tiles, 1)])))
     rows.append(dict(name="mixed 2048 prefill + 63 decodes @4096", variant="prefill launch + decode launch",
                      ms=bench([lambda: (call(pre, out=o_p), call(dec, out=o_d))])))
 

@@ -33,7 +33,9 @@ Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; scores are k
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * LOG2E)
+# 1 / ln(2): exp(x) == exp2(x * LOG2E). A tl.constexpr object, not an annotation: triton 3.6 rejects
+# non-constexpr module globals inside @triton.jit (3.9 accepts them).
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -138,7 +140,7 @@ def _unified_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32, context incl. this step's queries
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    num_seqs, num_splits, scale, softcap, sliding_window,
+    num_seqs, num_splits, min_q_len, max_q_len, scale, softcap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh,  # query / out strides of token and head (elements)
     stride_cb, stride_cs, stride_ch,  # cache strides of block, slot and head (elements)
     stride_bt,  # block_tables row stride (elements)
@@ -153,6 +155,8 @@ def _unified_attention_kernel(
     """One (query tile, KV head, KV split) per program; grid ``(num_q_tiles, num_kv_heads, num_splits)``.
 
     ``num_splits`` is a runtime int (a new split count must not recompile); ``SPLIT`` = num_splits > 1.
+    Only sequences with ``min_q_len <= q_len <= max_q_len`` are computed (the wrapper gives decode-sized
+    and prefill-sized sequences of one batch to two launches with different tile shapes).
     """
     tl.static_assert(BLOCK_Q * NUM_QUERIES_PER_KV <= BLOCK_M)
     G: tl.constexpr = NUM_QUERIES_PER_KV
@@ -169,8 +173,8 @@ def _unified_attention_kernel(
         q_block = 0
     else:
         q_block = q_tile_id - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:  # spare tile of the grid's upper bound, or an empty sequence
-        return
+    if (q_block * BLOCK_Q >= q_len) | (q_len < min_q_len) | (q_len > max_q_len):
+        return  # spare tile of the grid's upper bound, an empty sequence, or one for the other launch
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # tokens cached before this step
 
@@ -246,31 +250,34 @@ def _merge_splits_kernel(
     part_out_ptr,  # [num_tokens, num_heads, num_splits, D_PAD] fp32
     part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] fp32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    num_seqs, num_splits, stride_ot, stride_oh,
+    num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,  # SPLITS_PAD >= num_splits
 ):
-    """Log-sum-exp merge of one (token, head)'s splits; grid ``(num_tokens, num_heads)``.
+    """Log-sum-exp merge of the splits of one (sequence, head)'s query rows; grid ``(num_seqs, num_heads)``.
 
     ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``; a split that saw
-    no key has ``m_s = -inf, l_s = 0, acc_s = 0`` and weight 0.
+    no key has ``m_s = -inf, l_s = 0, acc_s = 0`` and weight 0. Rows outside every sequence (padding of
+    a fixed-capacity buffer) are not touched.
     """
-    token = tl.program_id(0)
+    seq = tl.program_id(0)
     head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding row of a fixed-capacity buffer
-        return
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    base = (token.to(tl.int64) * tl.num_programs(1) + head) * num_splits
     s_mask = offs_s < num_splits
-    m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_max)  # [SPLITS_PAD]
-    denom = tl.sum(w * l, 0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / denom
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-
+    for r in range(q_len):
+        token = (q_start + r).to(tl.int64)
+        base = (token * tl.num_programs(1) + head) * num_splits
+        m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=s_mask, other=float("-inf"))
+        l = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1, mask=s_mask, other=0.0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.math.exp2(m - m_max)  # [SPLITS_PAD]
+        denom = tl.sum(w * l, 0)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None],
+                      other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / denom
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)

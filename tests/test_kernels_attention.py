@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from paged_transformers.kernels import paged_attention, paged_attention_ref  # noqa: E402
-from paged_transformers.kernels.paged_attention import pick_config, pick_num_kv_splits  # noqa: E402
+from paged_transformers.kernels.paged_attention import pick_config, pick_num_kv_splits, plan_launches  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # ||out - ref|| / ||ref|| against the fp32 reference on the same (rounded) inputs
@@ -65,8 +65,9 @@ CASES = [
     ([1, 1, 1, 1], [99, 100, 101, 64], 4, 2, 64, 16, torch.float32, 36, None, None),
     # prefill whose 64-row query tiles start at positions 63 and 127 (tile edges - 1)
     ([70, 1], [133, 1], 4, 2, 64, 32, torch.float32, None, None, None),
-    # mixed prefill chunks (with cached context) and decode, MQA, head_dim 80 (padded to 128)
-    ([7, 1, 33, 1], [7, 50, 97, 1], 4, 1, 80, 16, torch.float32, None, None, None),
+    # mixed prefill chunks (with cached context) and decode, MQA, head_dim 80 (padded to 128); q_len 4 / 5:
+    # last of the decode launch's sequences (16-row tiles / 4 heads) / first of the prefill launch's
+    ([7, 1, 33, 1, 4, 5], [7, 50, 97, 1, 4, 60], 4, 1, 80, 16, torch.float32, None, None, None),
     # GQA 3 (non-power-of-two group), head_dim 96, block 32, window + softcap
     ([5, 1, 40], [5, 30, 100], 6, 2, 96, 32, torch.float32, 7, 5.0, None),
     # MHA, head_dim 128, block 64: a prompt longer than one 128-row query tile
@@ -150,6 +151,13 @@ def test_no_host_sync_with_bounds(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     pa.paged_attention(*args, 0.125, max_query_len=1, max_seq_len=40)
     assert launched
+
+
+def test_plan_launches():
+    (decode,) = plan_launches(1, 4, 128, torch.bfloat16)
+    assert (decode.cfg.block_m, decode.min_q_len, decode.max_q_len) == (16, 1, 4)
+    decode, prefill = plan_launches(2048, 4, 128, torch.bfloat16)  # mixed batch: decode rows keep 16-row tiles
+    assert decode.max_q_len == 4 and prefill.min_q_len == 5 and prefill.cfg.block_m == 128
 
 
 def test_pick_config():
