@@ -111,7 +111,7 @@ class Sampler:
     def _probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p over ``logits [num_seqs, vocab_size]`` -> probabilities."""
         device = logits.device
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
         logits = logits / temperature[:, None]
         vocab = logits.shape[-1]
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).clamp(max=vocab)

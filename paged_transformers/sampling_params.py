@@ -4,13 +4,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling and stopping parameters of one request, named and defaulted as in vLLM.
 
     Args:
         n: sequences to sample from the prompt (>= 1).
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0. Values below
+            ``SAMPLING_EPS`` (1e-5) count as 0, as in vLLM: dividing by them overflows float32.
         top_p: nucleus sampling mass, in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens whose probability is below ``min_p`` times the top token's, in [0, 1].
@@ -98,7 +102,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: ``temperature < SAMPLING_EPS``."""
+        return self.temperature < SAMPLING_EPS
 
     @classmethod
     def from_generation_config(cls, generation_config, **overrides) -> "SamplingParams":
