@@ -62,6 +62,15 @@ def test_top_k_1_is_greedy(llama):
     assert [c.token_ids for c in top1] == [c.token_ids for c in greedy]
 
 
+def test_tiny_temperature_is_greedy(llama):
+    """Temperatures under 1e-5 count as greedy (vLLM); 1e-40 used to overflow to inf and fail the whole batch."""
+    greedy = run(llama, PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=8) for i, t in enumerate([1e-6, 1e-40, 1e-45, 0.0, 1e-6, 1.0])]
+    mixed = run(llama, PROMPTS, params)
+    assert [c.token_ids for c in mixed[:5]] == [c.token_ids for c in greedy[:5]]
+    assert all(c.finished and c.error is None for c in mixed)
+
+
 # -- stopping ------------------------------------------------------------------------------------
 def test_eos_min_tokens_ignore_eos(llama, monkeypatch):
     """Make the prompt's first greedy token the EOS, then check each stopping rule against stock generate."""
