@@ -36,7 +36,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """Sample for ``seqs`` from ``logits [len(seqs), vocab_size]`` float32 (rows in ``seqs`` order).
 
-        A logits processor that raises fails only its own row: that row's result carries the exception.
+        A logits processor that raises, or leaves its row no finite logit, fails only its own row: that
+        row's result carries the exception.
         """
         logits = logits[:, : self.vocab_size]
         want_logprobs = [seq.sampling_params.logprobs is not None for seq in seqs]
@@ -52,15 +53,27 @@ class Sampler:
                 logits[i] = self._process_row(logits[i], seqs[i])
             except Exception as e:  # a user's processor; keep the other rows going
                 errors[i] = e
+        if rows:
+            # A processed row with a NaN or no finite logit cannot be sampled: it fails alone (and is
+            # zeroed so that the batch's draw stays valid).
+            processed = logits[torch.tensor(rows, device=logits.device)]
+            unusable = (processed.isnan().any(dim=-1) | ~processed.isfinite().any(dim=-1)).tolist()
+            for i, bad in zip(rows, unusable):
+                if bad and i not in errors:
+                    errors[i] = ValueError(
+                        f"logits processors left request {seqs[i].request_id!r} no finite logit (all -inf or NaN)"
+                    )
+            for i in errors:
+                logits[i] = 0.0
 
         params = [seq.sampling_params for seq in seqs]
-        greedy_list = [p.greedy for p in params]  # decided on the host: no device round trip when all greedy
+        # decided on the host: no device round trip when all greedy; only the sampled rows are drawn
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = logits.argmax(dim=-1)
-        if not all(greedy_list):
-            greedy = torch.tensor(greedy_list, device=logits.device)
-            probs = self._probs(logits, params)
-            sampled = self._draw(probs, seqs)
-            token_ids = torch.where(greedy, token_ids, sampled)
+        if sample_rows:
+            index = torch.tensor(sample_rows, device=logits.device)
+            probs = self._probs(logits[index], [params[i] for i in sample_rows])
+            token_ids[index] = self._draw(probs, [seqs[i] for i in sample_rows])
 
         token_list = token_ids.tolist()
         results = []
