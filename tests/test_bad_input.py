@@ -228,3 +228,19 @@ def test_max_model_len_over_the_model(llama):
 def test_engine_config_out_of_range(field, value):
     with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("fill", [float("-inf"), float("nan")], ids=["all-inf", "nan"])
+def test_logits_processor_leaving_no_finite_logit_fails_only_its_request(llama, fill, temperature, engine_spy):
+    def broken(input_ids, scores):
+        return torch.full_like(scores, fill)
+
+    params = [SamplingParams(temperature=temperature, max_tokens=4, logits_processors=[broken])]
+    params += [SamplingParams(temperature=1.0, seed=3, max_tokens=4), GREEDY]
+    outs = paged_generate(llama, PROMPTS, params, use_tqdm=False)
+    bad = outs[0].outputs[0]
+    assert bad.finish_reason == "abort" and isinstance(bad.error, ValueError) and "no finite logit" in str(bad.error)
+    assert outs[2].outputs[0].token_ids == stock_greedy(llama, PROMPTS[2], MAX_TOKENS)[0]
+    assert len(outs[1].outputs[0].token_ids) == 4
+    assert_pool_whole(engine_spy[0])
