@@ -30,7 +30,8 @@ class EngineConfig:
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens (prefill + decode) in one step (the token budget).
         enable_chunked_prefill: split prompts longer than the remaining token budget across steps.
-            When False, a prompt longer than ``max_num_batched_tokens`` is rejected.
+            When False, a prompt longer than ``max_num_batched_tokens`` is rejected and every prompt
+            is computed in one step; a sequence resumed after preemption is still recomputed in chunks.
         enable_prefix_caching: reuse the K/V of full blocks whose tokens (and everything before them)
             match an earlier request's; freed blocks stay reusable until evicted (LRU). On by default.
         attention_backend: ``"auto"``, ``"triton"`` or ``"torch"`` (parsed into ``AttentionBackend``).

@@ -143,7 +143,9 @@ class Scheduler:
             num_computed = min(len(hits) * bm.block_size, seq.num_tokens - 1)
         remaining = seq.num_tokens - num_computed
         num_new = min(remaining, budget)
-        if num_new < remaining and not self.config.enable_chunked_prefill:
+        # NOTE: with chunking off only a fresh prompt must fit whole: a sequence resumed after preemption
+        # recomputes prompt + outputs, which can exceed the budget and would otherwise wait forever.
+        if num_new < remaining and not self.config.enable_chunked_prefill and seq.num_output_tokens == 0:
             return None
         granted = self.block_manager.allocate_slots(seq.seq_id, num_computed, num_new, cached_blocks=hits)
         if granted is None:
