@@ -234,6 +234,11 @@ class LLMEngine:
         a finished request is returned once, then forgotten by the engine."""
         plan = self.scheduler.schedule()
         if not plan.seqs:
+            # The pool holds a max_model_len sequence, so a step with nothing running always admits one.
+            assert not self.scheduler.has_unfinished(), (
+                f"no progress: nothing scheduled with {len(self.scheduler.waiting)} waiting and "
+                f"{len(self.scheduler.running)} running sequences ({self.cache.block_manager.num_free_blocks} free blocks)"
+            )
             return []
         now = time.perf_counter()
         for seq in plan.seqs:
