@@ -150,3 +150,19 @@ def test_block_size_not_dividing_lengths(tiny_model, reference, engine_spy):
     assert_same_greedy(finished_tokens(outs), reference(model))
     assert_pool_whole(engine_spy[0])
     assert MAX_POSITIONS >= max(map(len, PROMPTS)) + max(MAX_TOKENS)
+
+
+def test_preemption_without_chunked_prefill(tiny_model, engine_spy):
+    """Chunked prefill off: prompts fit the 64-token budget, but a preempted sequence's recompute
+    (prompt + outputs) does not; it must still resume (it used to wait forever) with identical tokens."""
+    model = tiny_model("llama")
+    prompts = random_prompts(4, 60, 64, seed=4)
+    config = EngineConfig(block_size=4, num_gpu_blocks=36, max_model_len=100, max_num_batched_tokens=64,
+                          enable_chunked_prefill=False)
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    outs = paged_generate(model, prompts, params, engine_config=config, use_tqdm=False)
+    (engine,) = engine_spy
+    assert sum(seq.num_preemptions for seq in engine.seen_seqs.values()) > 0
+    refs = [stock_greedy(model, p, 20) for p in prompts]
+    assert_same_greedy(finished_tokens(outs), refs)
+    assert_pool_whole(engine)
