@@ -11,6 +11,11 @@ using it skip, with the reason, when that package or ``gguf`` is missing.
 ``stock_greedy(model, prompt, max_new_tokens)`` is the reference: transformers' own
 ``model.generate()`` on one prompt alone (do_sample=False), returning the new tokens and the top-2
 margin of each step's raw logits.
+
+``check_block_invariants(engine)`` (between steps: a running sequence holds exactly
+``ceil(num_computed_tokens / block_size)`` blocks, never more than ``ceil(num_tokens / block_size)``),
+``assert_pool_whole(engine)`` (free blocks == total blocks), and the ``engine_spy`` fixture (the engines
+``paged_generate`` builds, checked after every step) check the KV pool.
 """
 
 import os
