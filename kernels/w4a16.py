@@ -309,30 +309,29 @@ class _SplitKWorkspace:
 
 _WORKSPACE = _SplitKWorkspace()
 
-# Streaming multiprocessors per device, for the split-K heuristic (132 on an H100/H200 SXM).
-_NUM_SMS: dict[torch.device, int] = {}
-
-
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> W4A16Config:
-    """The launch configuration used when none is given.
+    """The launch configuration used when none is given: the fastest of the sweep in
+    ``benchmarks/bench_w4a16.py`` on an H200 (BENCHMARKS.md, "W4A16 / quantized"), as a rule.
 
-    Small M (<= 16, decode): ``BLOCK_M = 16`` tensor-core tiles with split-K chosen so that about
-    two programs per SM are in flight (the weight stream needs many loads in flight to reach HBM
-    bandwidth). Large M: 128x128x64 (64x128x64 up to M = 64) tiles, no split.
-    Values were picked from the sweep in ``benchmarks/bench_w4a16.py`` (see BENCHMARKS.md).
+    * M = 1: broadcast-FMA GEMV (no tensor cores), split-K 8 with 32x256 tiles (4-8 with 64x128 when
+      N >= 8192);
+    * 2 <= M <= 16: 16x64x128 ``tl.dot`` tiles, split-K 8 while there are at most 96 output tiles
+      (N <= 6144), else 4, so that each SM has several programs streaming weights;
+    * M > 16: no split; 64x128x64 tiles, 128x128x64 when N >= 8192 (and M > 64).
+
+    Args/Returns: the GEMM sizes (``x [M, K] @ W [K, N]``) -> a ``W4A16Config``. ``group_size`` and
+    ``device`` are accepted for future rules; the choice does not depend on them yet.
     """
-    if device.type == "cuda" and device not in _NUM_SMS:
-        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    num_sms = _NUM_SMS.get(device, 4)
+    if M == 1:
+        if N >= 8192:
+            return W4A16Config(1, 64, 128, 4, num_warps=4, num_stages=3, use_dot=False)
+        return W4A16Config(1, 32, 256, 8, num_warps=4, num_stages=3, use_dot=False)
     if M <= 16:
-        block_n, block_k = 64, 128
-        tiles = -(-N // block_n)
-        k_iters = -(-K // block_k)
-        split_k = max(1, min(k_iters, 16, (2 * num_sms) // max(tiles, 1)))
-        return W4A16Config(16, block_n, block_k, split_k, num_warps=4, num_stages=4)
-    if M <= 64:
-        return W4A16Config(64, 128, 64, 1, num_warps=4, num_stages=4)
-    return W4A16Config(128, 128, 64, 1, num_warps=8, num_stages=3)
+        tiles = -(-N // 64)
+        return W4A16Config(16, 64, 128, 8 if tiles <= 96 else 4, num_warps=4, num_stages=4)
+    if M > 64 and N >= 8192:
+        return W4A16Config(128, 128, 64, 1, num_warps=4, num_stages=4)
+    return W4A16Config(64, 128, 64, 1, num_warps=4, num_stages=4)
 
 
 def w4a16_matmul(
