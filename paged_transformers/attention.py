@@ -112,6 +112,11 @@ def paged_attention_forward(
             f"{type(module).__name__} runs attn_implementation={ATTENTION_NAME!r}, which only works inside the paged "
             "engine; switch the model back with model.set_attn_implementation('sdpa') for plain forwards"
         )
+    if dropout and module.training:
+        raise RuntimeError(
+            f"{type(module).__name__} is in training mode with attention dropout {dropout}; the paged engine "
+            "only runs inference: call model.eval() first"
+        )
     md = paged_metadata
     # [1, H, T, D] -> [T, H, D]
     q = query[0].transpose(0, 1).contiguous()
