@@ -12,7 +12,7 @@ import torch
 import transformers
 from torch import nn
 
-from conftest import VOCAB_SIZE, assert_pool_whole, check_block_invariants, random_prompts, stock_greedy
+from conftest import VOCAB_SIZE, assert_pool_whole, check_block_invariants, make_tiny_model, random_prompts, stock_greedy
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate
 
 PROMPTS = random_prompts(3, 10, 40, seed=3)
@@ -244,3 +244,13 @@ def test_logits_processor_leaving_no_finite_logit_fails_only_its_request(llama, 
     assert outs[2].outputs[0].token_ids == stock_greedy(llama, PROMPTS[2], MAX_TOKENS)[0]
     assert len(outs[1].outputs[0].token_ids) == 4
     assert_pool_whole(engine_spy[0])
+
+
+def test_training_mode_with_attention_dropout_is_refused():
+    model = make_tiny_model("llama", attention_dropout=0.1).train()
+    with pytest.raises(RuntimeError, match=r"training mode with attention dropout 0.1.*model.eval\(\)"):
+        paged_generate(model, [PROMPTS[0]], GREEDY, use_tqdm=False)
+    assert model.config._attn_implementation != "paged_transformers"
+    model.eval()
+    assert paged_generate(model, [PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == stock_greedy(
+        model, PROMPTS[0], MAX_TOKENS)[0]
