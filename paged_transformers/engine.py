@@ -188,7 +188,7 @@ class LLMEngine:
             sampling_params: default ``SamplingParams()``.
 
         Raises:
-            ValueError: a duplicate ``request_id``, ``n > max_num_seqs`` or a bad prompt
+            ValueError: a duplicate ``request_id``, ``n > max_num_seqs``, ``logprobs > vocab_size`` or a bad prompt
                 (``validate_prompt``); nothing is queued or allocated then.
         """
         if request_id in self.requests:
@@ -198,6 +198,8 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the n sequences run together")
+        if sampling_params.logprobs is not None and sampling_params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs={sampling_params.logprobs} exceeds the vocabulary size {self.vocab_size}")
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
         seqs = []
