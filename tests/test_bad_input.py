@@ -254,3 +254,11 @@ def test_training_mode_with_attention_dropout_is_refused():
     model.eval()
     assert paged_generate(model, [PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == stock_greedy(
         model, PROMPTS[0], MAX_TOKENS)[0]
+
+
+def test_logprobs_over_the_vocabulary(llama):
+    """It used to fail the whole batch at the first sampled token (torch.topk out of range)."""
+    params = SamplingParams(max_tokens=3, logprobs=VOCAB_SIZE + 1)
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", PROMPTS[0], params), rf"logprobs={VOCAB_SIZE + 1}")
+    full = paged_generate(llama, [PROMPTS[0]], SamplingParams(max_tokens=2, logprobs=VOCAB_SIZE), use_tqdm=False)
+    assert all(len(step) == VOCAB_SIZE for step in full[0].outputs[0].logprobs)
