@@ -1,5 +1,6 @@
 """``SamplingParams``: how one request is sampled and when it stops (vLLM's fields and defaults)."""
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -71,6 +72,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         self.logits_processors = list(self.logits_processors)
         _check_int("n", self.n, 1)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
