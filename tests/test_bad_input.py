@@ -131,7 +131,8 @@ def test_duplicate_request_id(llama):
 @pytest.mark.parametrize(
     "field, value",
     [("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0),
-     ("top_p", 1.5), ("top_p", -0.1), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1), ("n", 0)],
+     ("top_p", 1.5), ("top_p", -0.1), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1), ("n", 0),
+     ("temperature", "0.5"), ("top_p", None), ("max_tokens", 2.0)],
 )
 def test_sampling_params_out_of_range(field, value):
     with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
