@@ -105,17 +105,21 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.cache.block_manager, self._check_stop)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size)
 
+        write_kv, attend = resolve_backend(self.config.attention_backend, device)
+        self.requests: dict[str, _Request] = {}
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         self._step_hooks = install_step_hooks(model)
-        write_kv, attend = resolve_backend(self.config.attention_backend, device)
-        self.runner = ModelRunner(
-            model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            use_cuda_graphs=not self.config.enforce_eager,
-        )
-        self.runner.capture_graphs()
-        self.requests: dict[str, _Request] = {}
+        try:
+            self.runner = ModelRunner(
+                model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                use_cuda_graphs=not self.config.enforce_eager,
+            )
+            self.runner.capture_graphs()
+        except BaseException:
+            self.close()  # the model gets its attention back
+            raise
         self.peak_num_used_blocks = 0
         self.stream_text = False  # True: unfinished outputs carry their text so far (decoded every step)
         self.device = device
