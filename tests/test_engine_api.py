@@ -160,3 +160,16 @@ def test_plain_forward_inside_the_engine_is_refused(llama):
             llama(torch.tensor([PROMPTS[0]]))
         while engine.has_unfinished_requests():
             engine.step()
+
+
+def test_failed_engine_start_leaves_the_model_as_it_was(llama, monkeypatch):
+    """An engine that cannot start (here: Triton on CPU without the interpreter) must not leave the
+    model switched to the paged attention."""
+    before = llama.config._attn_implementation
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if torch.cuda.is_available():
+        pytest.skip("the Triton backend starts on CUDA")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        LLMEngine(llama, engine_config=EngineConfig(attention_backend="triton"))
+    assert llama.config._attn_implementation == before
+    assert stock_greedy(llama, PROMPTS[0], 2)[0]  # plain generate still works
