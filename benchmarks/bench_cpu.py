@@ -1,7 +1,8 @@
 """CPU throughput: 32 SmolLM2 prompts through paged_generate vs stock ``model.generate()``, one process.
 
 Stock generate runs (a) one prompt at a time and (b) in left-padded batches. Greedy decoding, same
-``max_new_tokens`` for every engine, EOS ignored so every engine makes the same number of tokens.
+``max_new_tokens`` for every engine; EOS is masked until then (``min_tokens`` / ``min_new_tokens``), so every
+engine makes the same number of tokens and the greedy tokens can be compared.
 Prints a table and writes JSON (``--output-json``).
 
     python benchmarks/bench_cpu.py --output-json benchmarks/results/cpu_smollm2.json
@@ -60,7 +61,8 @@ def main():
     num_out = args.num_prompts * args.max_tokens
 
     results = {}
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # min_tokens masks EOS like stock's min_new_tokens (ignore_eos would let EOS be sampled and continue)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
     paged_generate(model, prompts[:2], params, tokenizer=tokenizer, use_tqdm=False)  # warm-up
     t = time.perf_counter()
     paged = paged_generate(model, prompts, params, tokenizer=tokenizer, engine_config=EngineConfig(), use_tqdm=False)
@@ -82,7 +84,7 @@ def main():
         "device": f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "workload": {"model": "SmolLM2-135M-Instruct (fp32)", "num_prompts": args.num_prompts,
-                     "max_tokens": args.max_tokens, "ignore_eos": True, "greedy": True},
+                     "max_tokens": args.max_tokens, "min_tokens": args.max_tokens, "greedy": True},
         "engines": rows,
         "paged_equal_to_stock_bs1": f"{same}/{len(prompts)} prompts token-identical",
     }
