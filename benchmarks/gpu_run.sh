@@ -14,6 +14,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 timeout 300 paged-transformers bench --model llama-3-8b --num-requests 256 --input-len-range 64 1024 \
   --output-len-range 16 512 --seed 0 --compare hf-generate,hf-cb --compare-num-requests "$SUBSET" \
   --hf-batch-size 64 --output-json "$OUT/bench_llama3_8b.json" 2>&1 | grep -v Warning > "$OUT/bench.log"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests 2>&1 | tail -25 > "$OUT/pytest.log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests > "$OUT/pytest.log" 2>&1
 timeout 100 python3 benchmarks/bench_kernels.py --skip-sweeps --out "$OUT" > "$OUT/kernels.log" 2>&1
 tail -25 "$OUT/kernels.log"; tail -8 "$OUT/pytest.log"; tail -14 "$OUT/bench.log"
