@@ -86,6 +86,10 @@ def make_tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
     config = config_cls(**fields)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if arch == "gemma2":
+        # NOTE: the stock reference must honour the softcap: transformers 5.17's SDPA path silently drops
+        # it (5.24 raises instead), so the Gemma-2 reference runs eager attention on every version.
+        model.set_attn_implementation("eager")
     model.generation_config.pad_token_id = config.eos_token_id
     return model
 
