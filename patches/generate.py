@@ -1,6 +1,7 @@
 """The one-line patch: ``paged_transformers.patch()`` routes ``model.generate()`` through the paged engine.
 
-``patch()`` replaces three methods of ``transformers.GenerationMixin`` (``unpatch()`` puts them back):
+``patch()`` replaces three methods of ``transformers.GenerationMixin`` and routes GPTQ / AWQ checkpoints of
+``AutoModelForCausalLM.from_pretrained`` to our own loader (``patches/loading.py``); ``unpatch()`` puts all back:
 
 - ``generate``: records the call (the caller's logits processors, stopping criteria, options) and
   then runs stock ``generate()``, which validates the arguments, merges the ``GenerationConfig``,
@@ -45,6 +46,7 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..generation_config import ENGINE_MODES, ScoreRecorder, request_sampling_params
 from ..streaming import run_engine
+from .loading import patch_from_pretrained, unpatch_from_pretrained
 
 logger = logging.getLogger("paged_transformers")
 
@@ -124,6 +126,7 @@ def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
     if engine_config is not None and not isinstance(engine_config, EngineConfig):
         raise ValueError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
     _ENGINE_CONFIG[0] = engine_config
+    patch_from_pretrained()
     if not _ORIGINALS:
         for name, replacement in (("generate", _generate), ("_sample", _sample), ("_beam_search", _beam_search)):
             _ORIGINALS[name] = GenerationMixin.__dict__[name]
@@ -133,6 +136,7 @@ def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
 
 def unpatch() -> None:
     """Undo ``patch()`` (a no-op when not patched)."""
+    unpatch_from_pretrained()
     for name, original in _ORIGINALS.items():
         setattr(GenerationMixin, name, original)
     _ORIGINALS.clear()
