@@ -1,0 +1,201 @@
+"""``paged-transformers bench``: offline throughput of the paged engine against stock transformers.
+
+The command: its options (``add_arguments``), the run (``run_bench``), the report file and the table
+(``bench_main``), shared by ``paged-transformers bench`` and ``python -m paged_transformers.bench``.
+"""
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..config import EngineConfig
+from .engines import ENGINES, _peak_reset, run_hf_cb, run_hf_generate, run_paged
+from .report import device_info, format_table, ratios, summarize, versions
+from .roofline import measure_device_peaks, model_costs, workload_roofline
+from .workload import MODEL_SHAPES, BenchRequest, build_model, load_jsonl, synthetic_workload
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` options (shared by ``paged-transformers bench`` and ``python -m paged_transformers.bench``)."""
+    default = EngineConfig()
+    parser.add_argument("--model", default="llama-3-8b",
+                        help=f"a named shape with random weights ({', '.join(MODEL_SHAPES)}) or a checkpoint path")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quantization", choices=["gptq", "awq"], default=None, help="random quantized weights")
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--input-len-range", type=int, nargs=2, default=[64, 1024], metavar=("LOW", "HIGH"))
+    parser.add_argument("--output-len-range", type=int, nargs=2, default=[16, 512], metavar=("LOW", "HIGH"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dataset", default=None, help='JSONL of {"prompt": text or ids, "output_len": n}')
+    parser.add_argument("--compare", default="", help="comma list of hf-generate, hf-cb")
+    parser.add_argument("--compare-num-requests", type=int, default=None,
+                        help="run the compared engines on the first N requests only (default: all)")
+    parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of hf-generate")
+    parser.add_argument("--block-size", type=int, default=default.block_size)
+    parser.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: longest request, rounded up")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
+                        help="also run the paged engine for each value of an EngineConfig field (repeatable; "
+                             "the product of all sweeps); results under 'sweep'")
+    parser.add_argument("--skip-paged", action="store_true", help="only the compared engines")
+    parser.add_argument("--no-batch1", action="store_true", help="skip the batch-1 decode measurement")
+    parser.add_argument("--output-json", default=None)
+
+
+def _engine_config(args, requests: list[BenchRequest], **overrides) -> EngineConfig:
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    fields = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len or -(-longest // 256) * 256,
+                  gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks,
+                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+    if args.no_prefix_caching and "enable_prefix_caching" in EngineConfig.__dataclass_fields__:
+        fields["enable_prefix_caching"] = False
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+def _config_dict(config: EngineConfig) -> dict:
+    return {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(config).items()}
+
+
+def _sweep_points(sweeps: list[str]) -> list[dict]:
+    import itertools
+
+    axes = []
+    for spec in sweeps:
+        name, _, values = spec.partition("=")
+        if name not in EngineConfig.__dataclass_fields__ or not values:
+            raise ValueError(f"--sweep wants FIELD=V1,V2 with an EngineConfig field, got {spec!r}")
+        axes.append([(name, int(v)) for v in values.split(",")])
+    return [dict(point) for point in itertools.product(*axes)] if axes else []
+
+
+def _save_partial(report: dict, args) -> None:
+    """Write what is measured so far (a long run killed later still leaves its first engines' numbers)."""
+    print(f"[bench] done: {', '.join(report['engines'])}", file=sys.stderr, flush=True)
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+
+
+def run_bench(args) -> dict:
+    """Run the benchmark described by ``args`` (see ``add_arguments``); returns the report dict."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    compare = [c.strip().replace("-", "_") for c in args.compare.split(",") if c.strip()]
+    for c in compare:
+        if c not in ENGINES[1:]:
+            raise ValueError(f"--compare takes hf-generate and/or hf-cb, got {c!r}")
+    peaks = measure_device_peaks(args.device)
+    t0 = time.perf_counter()
+    model = build_model(args.model, dtype, args.device, args.quantization, args.bits, args.group_size)
+    model.generation_config.eos_token_id = None  # EOS ignored by every engine
+    build_s = time.perf_counter() - t0
+    vocab = model.config.get_text_config().vocab_size
+    if args.dataset:
+        tokenizer = None
+        if args.model not in MODEL_SHAPES:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        requests = load_jsonl(args.dataset, tokenizer)
+    else:
+        requests = synthetic_workload(args.num_requests, tuple(args.input_len_range), tuple(args.output_len_range),
+                                      vocab, args.seed)
+    config = _engine_config(args, requests)
+    costs = model_costs(model)
+    report = {
+        "command": "paged-transformers bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": versions(),
+        "device": {**device_info(args.device), **peaks},
+        "model": {"name": args.model, "dtype": args.dtype, "quantization": args.quantization, "build_s": build_s,
+                  **costs},
+        "workload": {"num_requests": len(requests), "dataset": args.dataset,
+                     "input_len_range": None if args.dataset else list(args.input_len_range),
+                     "output_len_range": None if args.dataset else list(args.output_len_range),
+                     "seed": args.seed, "ignore_eos": True,
+                     "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                     "output_tokens": sum(r.output_len for r in requests)},
+        "engine_config": _config_dict(config),
+        "engines": {},
+    }
+    paged_result = None
+    if not args.skip_paged:
+        try:
+            paged_result = run_paged(model, requests, config, batch1_context=None if args.no_batch1 else 512)
+            report["engines"]["paged"] = summarize(paged_result)
+        except Exception as e:  # keep the compared engines' numbers
+            report["engines"]["paged"] = {"error": f"{type(e).__name__}: {e}"}
+        _save_partial(report, args)
+    subset = requests[: args.compare_num_requests] if args.compare_num_requests else requests
+    runners = {"hf_generate": lambda: run_hf_generate(model, subset, args.hf_batch_size),
+               "hf_cb": lambda: run_hf_cb(model, subset)}
+    for name in compare:
+        try:
+            result = runners[name]()
+            entry = summarize(result)
+            if len(subset) < len(requests):
+                entry["subset"] = f"first {len(subset)} of the {len(requests)} requests"
+            if paged_result is not None:
+                n = len(subset)
+                same = sum(a[:1] == b[:1] for a, b in zip(paged_result.output_token_ids[:n], result.output_token_ids))
+                entry["first_token_agreement_with_paged"] = same / n
+            report["engines"][name] = entry
+        except Exception as e:  # keep the other engines' numbers
+            report["engines"][name] = {"error": f"{type(e).__name__}: {e}"}
+        _peak_reset(args.device)
+        _save_partial(report, args)
+    report["ratios"] = ratios({k: v for k, v in report["engines"].items() if "error" not in v})
+    if peaks["copy_bytes_per_s"]:
+        roof = workload_roofline(requests, costs, peaks["copy_bytes_per_s"], peaks["matmul_flops_per_s"])
+        if "output_tokens_per_s" in report["engines"].get("paged", {}):
+            roof["paged_fraction"] = report["engines"]["paged"]["output_tokens_per_s"] / roof["output_tokens_per_s"]
+        report["roofline"] = roof
+        b1 = report["engines"].get("paged", {}).get("decode_batch1")
+        if b1:
+            bound = costs["weight_bytes_per_step"] / peaks["copy_bytes_per_s"]
+            report["decode_batch1"] = {**b1, "bound_s": bound, "ratio_to_bound": b1["tpot_s_p50"] / bound}
+    else:
+        report["roofline"] = {"output_tokens_per_s": None, "note": "no CUDA device: ceilings not measured"}
+    if args.sweep and not args.skip_paged:
+        report["sweep"] = []
+        for point in _sweep_points(args.sweep):
+            cfg = _engine_config(args, requests, **point)
+            res = summarize(run_paged(model, requests, cfg, batch1_context=None))
+            report["sweep"].append({**point, "output_tokens_per_s": res["output_tokens_per_s"],
+                                    "tpot_s_p50": res["tpot_s"]["p50"], "ttft_s_p50": res["ttft_s"]["p50"],
+                                    "kv_capacity_tokens": res["kv_capacity_tokens"],
+                                    "step_overhead": res["step_overhead"]})
+    return report
+
+
+def bench_main(args) -> int:
+    """``paged-transformers bench``: run, write ``--output-json``, print the table last."""
+    report = run_bench(args)
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    for row in report.get("sweep", []):
+        print("sweep", {k: v for k, v in row.items() if k != "step_overhead"})
+    print(format_table(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="paged-transformers bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return bench_main(parser.parse_args(argv))
