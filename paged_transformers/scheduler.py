@@ -194,12 +194,18 @@ class Scheduler:
             finished += self._start_forks(seq, forks, sampled)
             if seq.seq_id not in sampled:
                 continue
-            seq.token_ids.append(sampled[seq.seq_id])
-            status = self.check_stop(seq)
-            if status is not None:
-                self.finish(seq, status)
+            if self._append_token(seq, sampled[seq.seq_id]):
                 finished.append(seq)
         return finished
+
+    def _append_token(self, seq: Sequence, token_id: int) -> bool:
+        """Append a sampled token and check the stop conditions; True when the sequence finished (its
+        blocks are freed then)."""
+        seq.token_ids.append(token_id)
+        status = self.check_stop(seq)
+        if status is not None:
+            self.finish(seq, status)
+        return status is not None
 
     def _start_forks(self, parent: Sequence, forks: list[Sequence], sampled: dict[int, int]) -> list[Sequence]:
         """Start the n > 1 forks of a parent whose prompt was just computed. Each shares the parent's
@@ -220,10 +226,7 @@ class Scheduler:
                 child.block_hashes = list(parent.block_hashes)
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
-            child.token_ids.append(sampled[child.seq_id])
-            status = self.check_stop(child)
-            if status is not None:
-                self.finish(child, status)
+            if self._append_token(child, sampled[child.seq_id]):
                 finished.append(child)
         return finished
 
