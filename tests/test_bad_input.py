@@ -132,7 +132,9 @@ def test_duplicate_request_id(llama):
     "field, value",
     [("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0),
      ("top_p", 1.5), ("top_p", -0.1), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1), ("n", 0),
-     ("temperature", "0.5"), ("top_p", None), ("max_tokens", 2.0)],
+     ("temperature", "0.5"), ("top_p", None), ("max_tokens", 2.0), ("temperature", float("inf")),
+     ("repetition_penalty", float("inf")), ("top_k", True), ("ignore_eos", "no"), ("stop", None),
+     ("stop_token_ids", None), ("logits_processors", print)],
 )
 def test_sampling_params_out_of_range(field, value):
     with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
@@ -224,7 +226,9 @@ def test_max_model_len_over_the_model(llama):
 
 @pytest.mark.parametrize(
     "field, value", [("block_size", 0), ("max_num_seqs", -1), ("max_num_batched_tokens", 0), ("num_gpu_blocks", 0),
-                     ("max_model_len", -5), ("gpu_memory_utilization", 1.5), ("attention_backend", "cuda")],
+                     ("max_model_len", -5), ("gpu_memory_utilization", 1.5), ("attention_backend", "cuda"),
+                     ("gpu_memory_utilization", "0.9"), ("enforce_eager", "no"), ("enable_prefix_caching", 1),
+                     ("max_model_len", 1)],
 )
 def test_engine_config_out_of_range(field, value):
     with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
@@ -263,3 +267,50 @@ def test_logprobs_over_the_vocabulary(llama):
     assert_rejected_mid_run(llama, lambda e: e.add_request("bad", PROMPTS[0], params), rf"logprobs={VOCAB_SIZE + 1}")
     full = paged_generate(llama, [PROMPTS[0]], SamplingParams(max_tokens=2, logprobs=VOCAB_SIZE), use_tqdm=False)
     assert all(len(step) == VOCAB_SIZE for step in full[0].outputs[0].logprobs)
+
+
+# -- requests the engine cannot honour, and misuse of the engine --------------------------------------
+def test_request_values_checked_against_the_engine(llama):
+    assert_rejected_mid_run(llama, lambda e: e.add_request(7, PROMPTS[0], GREEDY), r"request_id.*7")
+    assert_rejected_mid_run(
+        llama, lambda e: e.add_request("bad", PROMPTS[0], SamplingParams(stop=["x"])), r"stop=\['x'\].*tokenizer"
+    )
+    assert_rejected_mid_run(
+        llama, lambda e: e.add_request("bad", PROMPTS[0], SamplingParams(stop_token_ids=[VOCAB_SIZE])),
+        rf"stop_token_ids.*\[{VOCAB_SIZE}\]",
+    )
+
+
+@pytest.mark.parametrize("prompts", ["abc", None, 5], ids=["str", "none", "int"])
+def test_prompts_must_be_a_list(llama, prompts):
+    with pytest.raises(ValueError, match="prompts must be a list"):
+        paged_generate(llama, prompts, GREEDY, use_tqdm=False)
+
+
+def test_engine_config_of_another_type(llama):
+    with pytest.raises(ValueError, match="engine_config must be an EngineConfig, got dict"):
+        paged_generate(llama, PROMPTS, GREEDY, engine_config={"block_size": 8}, use_tqdm=False)
+    assert llama.config._attn_implementation != "paged_transformers"
+
+
+def test_closed_engine_refuses_work(llama):
+    engine = LLMEngine(llama, engine_config=CONFIG)
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    engine.close()
+    assert_pool_whole(engine)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.add_request("b", PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step()
+
+
+def test_engine_whose_model_attention_was_switched_refuses_to_step(llama):
+    """Closing one of two engines on the same model restores the model's attention; the other must not
+    go on stepping with a model that ignores its cache (that silently gave wrong tokens)."""
+    first = LLMEngine(llama, engine_config=CONFIG)
+    second = LLMEngine(llama, engine_config=CONFIG)
+    second.add_request("a", PROMPTS[0], GREEDY)
+    first.close()
+    with pytest.raises(RuntimeError, match="attn_implementation.*switched"):
+        second.step()
+    second.close()
