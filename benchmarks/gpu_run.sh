@@ -8,7 +8,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 SUBSET=${1:-128}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"  # the device tool sets OUT
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/nvidia_smi.txt"
 timeout 300 paged-transformers bench --model llama-3-8b --num-requests 256 --input-len-range 64 1024 \
