@@ -271,7 +271,6 @@ class BlockManager:
         if seq_id in self._num_hashed:
             self._num_hashed[seq_id] = min(self._num_hashed[seq_id], num_blocks)
 
-    _release = _decref  # the name PagedCache.crop used before truncate() existed
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's block table, tail first; blocks no one else holds join the free queue."""
