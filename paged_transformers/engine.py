@@ -124,7 +124,6 @@ class LLMEngine:
             self.close()  # the model gets its attention back
             raise
         self.peak_num_used_blocks = 0
-        self.stream_text = False  # True: unfinished outputs carry their text so far (decoded every step)
         self.device = device
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -366,8 +365,9 @@ class LLMEngine:
         finished = all(seq.is_finished for seq in request.seqs)
         for seq in request.seqs:
             # NOTE: decoding the whole output again every step is O(length) per request per step, the
-            # largest host cost at big batches; unfinished requests get text only when streaming asks.
-            text = self._decode(seq.output_token_ids) if finished or self.stream_text else ""
+            # largest host cost at big batches: text comes with the finished output only (streaming.stream
+            # detokenizes incrementally instead).
+            text = self._decode(seq.output_token_ids) if finished else ""
             if isinstance(seq.stop_reason, str):
                 text = text[: text.find(seq.stop_reason)]
             completions.append(
