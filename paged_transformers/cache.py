@@ -101,15 +101,11 @@ class PagedCache(Cache):
             >>> bool((paged == stock).all())
             True
         """
-        from .sizing import model_kv_shape
+        from .sizing import model_compute_dtype, model_kv_shape
 
         num_layers, num_kv_heads, head_dim = model_kv_shape(model.config)
-        param = next(model.parameters())
-        if dtype is None:
-            dtype = param.dtype if param.dtype.is_floating_point else next(
-                p.dtype for p in model.parameters() if p.dtype.is_floating_point
-            )
-        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device or param.device)
+        dtype = dtype or model_compute_dtype(model)
+        return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device or next(model.parameters()).device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

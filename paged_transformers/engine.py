@@ -22,7 +22,7 @@ from .sampling import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
-from .sizing import model_kv_shape, num_kv_blocks
+from .sizing import model_compute_dtype, model_kv_shape, num_kv_blocks
 
 
 @dataclass(slots=True)
@@ -92,7 +92,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={max_positions}")
 
         param = next(model.parameters())
-        device, dtype = param.device, _compute_dtype(model)
+        device, dtype = param.device, model_compute_dtype(model)
         num_layers, num_kv_heads, head_dim = model_kv_shape(model_config)
         bytes_per_block = PagedCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, dtype)
         num_blocks = num_kv_blocks(model, self.config, self.max_model_len, bytes_per_block)
@@ -411,14 +411,6 @@ def _as_token_id(token):
         return operator.index(token)
     except TypeError:
         return token
-
-
-def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The activation dtype: the model's ``dtype`` unless that is an integer (quantized) type."""
-    dtype = getattr(model, "dtype", None)
-    if dtype is None or not dtype.is_floating_point:
-        dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
-    return dtype
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:

@@ -19,6 +19,15 @@ def model_kv_shape(config) -> tuple[int, int, int]:
 CUDA_GRAPH_RESERVE_BYTES = 1 << 30
 
 
+def model_compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The activation (and KV cache) dtype: the model's ``dtype`` unless that is an integer (quantized) type,
+    else its first floating-point parameter's."""
+    dtype = getattr(model, "dtype", None)
+    if dtype is None or not dtype.is_floating_point:
+        dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    return dtype
+
+
 def profile_activation_bytes(model: torch.nn.Module, config: EngineConfig) -> int:
     """Peak bytes one step adds on CUDA, from a profiled forward of ``max_num_batched_tokens`` tokens.
 
