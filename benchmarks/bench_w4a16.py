@@ -33,23 +33,42 @@ GROUP = 128
 # targets of issue 7: speedup over bf16 at M in {1, 4, 16}; at M = 256 at least 0.8x
 TARGET_SMALL_M = {(4096, 4096): 2.5, (4096, 14336): 3.0, (14336, 4096): 3.0}
 
-SMALL_M_SWEEP = [
-    k.W4A16Config(16, 64, 128, 1, 4, 4),
-    k.W4A16Config(16, 64, 128, 4, 4, 4),
-    k.W4A16Config(16, 64, 128, 8, 4, 4),
-    k.W4A16Config(16, 128, 128, 4, 4, 4),
-    k.W4A16Config(16, 64, 256, 4, 4, 3),
-    k.W4A16Config(16, 32, 128, 4, 4, 4),
-    k.W4A16Config(16, 128, 256, 2, 8, 3),
-]
-FMA_SWEEP = [(64, 128, 4), (128, 64, 4), (32, 256, 8)]  # (BLOCK_N, BLOCK_K, SPLIT_K), BLOCK_M = M rounded up
-LARGE_M_SWEEP = [
-    k.W4A16Config(128, 128, 64, 1, 8, 3),
-    k.W4A16Config(128, 128, 64, 1, 4, 4),
-    k.W4A16Config(64, 128, 64, 1, 4, 4),
-    k.W4A16Config(128, 256, 64, 1, 8, 3),
-    k.W4A16Config(64, 256, 64, 1, 8, 4),
-]
+A = k.W4A16Algo
+
+
+def sweep_configs(M: int, N: int, K: int, sms: int) -> list[tuple[str, k.W4A16Config]]:
+    """Candidate configs per (M, N, K) for issue 7 round 1: the per-field kernels (FMA GEMV, DOT, DOT_SWAP,
+    split-K sized by ``k.split_k_for`` for 2/4/8 programs per SM), dequant + cuBLAS for M = 256, and the
+    round-0 reshape kernel at its old defaults as the baseline of the same run."""
+
+    def split(bm, bn, bk, per_sm=4):
+        return k.split_k_for(-(-M // bm) * -(-N // bn), -(-K // bk), sms, per_sm)
+
+    out = []
+    if M <= 4:
+        bm = 1 if M == 1 else 4
+        fma = [(128, 128), (256, 128), (64, 128), (128, 256), (256, 64)] if M == 1 else [(64, 128), (32, 128), (64, 64)]
+        for bn, bk in fma:
+            for per_sm in (2, 4, 8) if (bn, bk) == fma[0] else (4,):
+                out.append(k.W4A16Config(bm, bn, bk, split(bm, bn, bk, per_sm), 4, 3, A.FMA))
+        out.append(k.W4A16Config(bm, 256, 128, split(bm, 256, 128), 8, 3, A.FMA))
+        if M == 1:  # round-0 defaults
+            out.append(k.W4A16Config(1, 32, 256, 8, 4, 3, A.RESHAPE_FMA) if N < 8192 else k.W4A16Config(1, 64, 128, 4, 4, 3, A.RESHAPE_FMA))
+    if 2 <= M <= 16:
+        for algo in (A.DOT, A.DOT_SWAP):
+            for bn, bk in ((64, 128), (128, 128), (64, 256)):
+                out.append(k.W4A16Config(16, bn, bk, split(16, bn, bk), 4, 3, algo))
+            out.append(k.W4A16Config(16, 64, 128, split(16, 64, 128, 8), 4, 4, algo))
+        out.append(k.W4A16Config(16, 64, 128, 8 if -(-N // 64) <= 96 else 4, 4, 4, A.RESHAPE_DOT))  # round-0 default
+    if M > 16:
+        for bm, bn, bk, w in ((128, 128, 128, 8), (128, 256, 128, 8), (256, 128, 128, 8), (64, 128, 128, 4), (128, 128, 256, 8)):
+            out.append(k.W4A16Config(bm, bn, bk, 1, w, 3, A.DOT))
+        for bm, bn, bk, w in ((64, 128, 128, 4), (128, 128, 128, 8), (64, 256, 128, 8)):
+            out.append(k.W4A16Config(bm, bn, bk, 1, w, 3, A.DOT_SWAP))
+        out.append(k.W4A16Config(16, 128, 128, 1, 4, 3, A.DEQUANT_MATMUL))
+        out.append(k.W4A16Config(16, 64, 256, 1, 4, 3, A.DEQUANT_MATMUL))
+        out.append(k.W4A16Config(64, 128, 64, 1, 4, 4, A.RESHAPE_DOT) if N < 8192 else k.W4A16Config(128, 128, 64, 1, 4, 4, A.RESHAPE_DOT))
+    return [(str(c), c) for c in out]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -95,6 +114,36 @@ def check_correctness(device) -> list[dict]:
     case("8-bit group 128 M=256", 256, 4096, 4096, 8, 128)
     case("fp16 activations", 16, 4096, 4096, 4, 128, dtype=torch.float16)
     case("fp16 activations M=256", 256, 4096, 4096, 4, 128, dtype=torch.float16)
+    # every algo off the tile grid: per-channel K = 4104, group 32 with bias, 8-bit, fp16
+    for cfg in (k.W4A16Config(1, 128, 128, 4, algo=A.FMA), k.W4A16Config(4, 64, 128, 4, algo=A.FMA),
+                k.W4A16Config(16, 64, 128, 4, algo=A.DOT), k.W4A16Config(16, 64, 128, 4, algo=A.DOT_SWAP),
+                k.W4A16Config(128, 128, 128, 1, 8, algo=A.DOT), k.W4A16Config(64, 128, 128, 1, 4, algo=A.DOT_SWAP),
+                k.W4A16Config(16, 128, 128, 1, algo=A.DEQUANT_MATMUL)):
+        M = {A.FMA: cfg.block_m}.get(cfg.algo, 3 if cfg.block_m == 16 else 200)
+        case(f"{cfg} per-channel K=4104", M, 4104, 1000, 4, 4104, config=cfg)
+        case(f"{cfg} group 32, bias", M, 4096, 1000, 4, 32, config=cfg, bias=True)
+        case(f"{cfg} fp16", M, 4096, 1024, 4, 128, dtype=torch.float16, config=cfg)
+        cfg8 = k.W4A16Config(cfg.block_m, cfg.block_n, 64, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.algo)
+        case(f"{cfg8} 8-bit", M, 4096, 1024, 8, 128, config=cfg8)
+    # CUDA-graph capture of the default (split-K) path, as QuantLinear runs inside captured decode graphs
+    try:
+        qweight, scales, zeros = random_layer(4096, 4096, 4, 128, device)
+        x = torch.randn(1, 4096, device=device, dtype=torch.bfloat16)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel_err(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128))
+        rows.append(dict(case="CUDA graph replay, default config M=1", M=1, rel_err=err, ok=err < 1e-2))
+    except Exception as e:  # noqa: BLE001
+        rows.append(dict(case="CUDA graph replay, default config M=1", M=1, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
     # act-order and AWQ through the converters, then through QuantLinear (the gather + kernel)
     from paged_transformers.quantization import QuantLinear, awq_to_kernel_layout, gptq_to_kernel_layout
     from paged_transformers.quantization.formats import AWQ_ORDER  # noqa: F401 (documents the layout)
@@ -152,13 +201,7 @@ def time_gemms(device, quick: bool) -> list[dict]:
             bf16_ms = bench(bf16_fn)
             configs = [("default", None)]
             if not quick:
-                if M <= 16:
-                    configs += [(f"{c}", c) for c in SMALL_M_SWEEP]
-                    if M <= 4:
-                        bm = 1 if M == 1 else 4
-                        configs += [(f"fma{c}", k.W4A16Config(bm, c[0], c[1], c[2], 4, 3, use_dot=False)) for c in FMA_SWEEP]
-                else:
-                    configs += [(f"{c}", c) for c in LARGE_M_SWEEP]
+                configs += sweep_configs(M, N, K, torch.cuda.get_device_properties(device).multi_processor_count)
             for label, cfg in configs:
                 q0 = qsets[0]
                 try:
@@ -299,7 +342,7 @@ def main() -> None:
 
     device = torch.device("cuda", torch.cuda.current_device())
     report = {
-        "command": "python benchmarks/bench_w4a16.py" + (" --quick" if args.quick else ""),
+        "command": "python benchmarks/bench_w4a16.py" + (" --quick" if args.quick else "") + (" --no-e2e" if args.no_e2e else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
@@ -333,6 +376,19 @@ def main() -> None:
             target = TARGET_SMALL_M[(K, N)] if M <= 16 else 0.8
             print(f"{K:5d}x{N:<5d} {M:4d} {d['w4a16_ms']*1e3:10.1f} {b['w4a16_ms']*1e3:8.1f} ({b['config'][:45]:45s}) "
                   f"{d['bf16_ms']*1e3:8.1f} {d['speedup']:9.2f} {b['speedup']:8.2f}  >= {target}")
+    print("\nbest per algo (us):")
+    algos = [a.value for a in A]
+    print(f"{'K x N':11s} {'M':>4s} " + " ".join(f"{a:>14s}" for a in algos))
+    for K, N in SHAPES:
+        for M in MS:
+            rows = [r for r in report["gemm"] if r["K"] == K and r["N"] == N and r["M"] == M and "w4a16_ms" in r]
+            if not rows:
+                continue
+            cells = []
+            for a in algos:
+                t = [r["w4a16_ms"] for r in rows if r["used"].split()[0] == a]
+                cells.append(f"{min(t) * 1e3:14.1f}" if t else f"{'-':>14s}")
+            print(f"{K:5d}x{N:<5d} {M:4d} " + " ".join(cells))
     if "e2e_decode_batch1" in report and "gptq" in report["e2e_decode_batch1"]:
         e = report["e2e_decode_batch1"]
         print(f"e2e batch-1 decode step: bf16 {e['bf16']} | gptq {e['gptq']} | "

@@ -16,10 +16,17 @@ permuted at load time so that groups are contiguous, and the activation columns 
 per layer with the same permutation (as exllama/Marlin-style GPTQ kernels do).
 
 Algorithm: every program owns one ``[BLOCK_M, BLOCK_N]`` output tile and a slice of K. Per K-step
-it loads ``BLOCK_K // pack`` packed rows, unpacks them in registers (shift, mask, reshape to
-``[BLOCK_K, BLOCK_N]``), dequantizes in fp32 (exact: an fp16 scale times an integer of at most
-9 bits fits fp32's 24-bit mantissa), casts to the activation dtype and accumulates in fp32, either
-with ``tl.dot`` (tensor cores) or, for a handful of rows, with broadcast FMAs + a reduction.
+it loads ``p``, ``BLOCK_K // pack`` packed rows ``[BLOCK_K // pack, BLOCK_N]`` (16-byte loads), and
+unpacks it field by field, without a reshape (which costs a layout conversion through shared memory
+every step): field ``j`` is the ``[BLOCK_K // pack, BLOCK_N]`` tile of input rows ``k0 + i * pack + j``,
+paired with those x columns (a stride-``pack`` load of x, tiny and cached). Int -> float is the
+magic-number trick (``_field_magic``: OR the field into the mantissa of 2**23, no I2F), exact in fp32.
+``W4A16Algo`` names the variants: broadcast-FMA GEMV with a 3-D accumulator reduced once after the K
+loop and the zero point/scale folded per tile (``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)``),
+``tl.dot`` per field (``DOT``), the same with the weight as left operand (``DOT_SWAP``), the first
+reshape-based kernel (``RESHAPE_*``, kept for comparison), and dequantize + cuBLAS (``DEQUANT_MATMUL``).
+Sources of the tricks: FasterTransformer / Marlin (magic-number dequant), exllama (dequant + GEMM for
+large batches), CUTLASS (serial split-K).
 
 * Small M (decode): split-K. ``SPLIT_K`` programs share an output tile; each adds its fp32 partial
   into a zeroed workspace with atomics, then bumps a per-tile counter; the last one to arrive reads
@@ -33,6 +40,8 @@ with ``tl.dot`` (tensor cores) or, for a handful of rows, with broadcast FMAs + 
 activation dtype, matmul) and the CPU path.
 """
 
+import enum
+import functools
 import os
 from dataclasses import dataclass
 
@@ -129,15 +138,48 @@ def w4a16_matmul_ref(
     return out
 
 
-# -- Triton kernel -----------------------------------------------------------------------------------
+# -- Triton kernels ----------------------------------------------------------------------------------
+
+
+class W4A16Algo(enum.Enum):
+    """How a program turns its packed ``[BLOCK_K // pack, BLOCK_N]`` tile into output (module docstring).
+
+    * ``FMA``: per-field unpack, broadcast FMAs into a 3-D fp32 accumulator ``[BLOCK_M, BLOCK_K // pack,
+      BLOCK_N]`` that is reduced once after the K loop (GEMV, M <= 4);
+    * ``DOT``: per-field unpack, ``tl.dot(x_j [BLOCK_M, BLOCK_K // pack], w_j [BLOCK_K // pack, BLOCK_N])``
+      for each field j;
+    * ``DOT_SWAP``: as ``DOT`` with the product transposed, ``tl.dot(w_j^T, x_j^T)``, so the dequantized
+      weight is the left (register-sourced) MMA operand and ``BLOCK_M`` is the MMA's small N;
+    * ``RESHAPE_DOT`` / ``RESHAPE_FMA``: the first kernel (reshape to ``[BLOCK_K, BLOCK_N]``, I2F, dequant
+      in fp32), kept to be measured against in the same process;
+    * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer,
+      then ``torch.matmul`` (cuBLAS), as exllama does for large batches.
+    """
+
+    FMA = "fma"
+    DOT = "dot"
+    DOT_SWAP = "dot_swap"
+    RESHAPE_DOT = "reshape_dot"
+    RESHAPE_FMA = "reshape_fma"
+    DEQUANT_MATMUL = "dequant_matmul"
+
+
+# the kernel's ALGO constexpr
+_FMA, _DOT, _DOT_SWAP, _RESHAPE_DOT, _RESHAPE_FMA = range(5)
+_ALGO_ID = {W4A16Algo.FMA: _FMA, W4A16Algo.DOT: _DOT, W4A16Algo.DOT_SWAP: _DOT_SWAP,
+            W4A16Algo.RESHAPE_DOT: _RESHAPE_DOT, W4A16Algo.RESHAPE_FMA: _RESHAPE_FMA}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class W4A16Config:
     """Launch configuration of the W4A16 kernel.
 
-    ``BLOCK_K`` must be a multiple of ``32 // bits``; ``use_dot=False`` (broadcast FMA + reduction)
-    suits ``BLOCK_M <= 4``; ``split_k > 1`` makes ``split_k`` programs share each output tile.
+    ``block_k`` must be a multiple of ``32 // bits`` (and, for tensor-core algos on CUDA, give
+    ``block_k // (32 // bits) >= 16``; ``block_m >= 16`` there too); ``split_k > 1`` makes ``split_k``
+    programs share each output tile. ``algo`` may be given as its string value.
+
+    Raises:
+        ValueError: an unknown ``algo`` or a non-positive size.
     """
 
     block_m: int
@@ -146,10 +188,160 @@ class W4A16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    use_dot: bool = True
+    algo: W4A16Algo = W4A16Algo.DOT
+
+    def __post_init__(self):
+        if not isinstance(self.algo, W4A16Algo):
+            try:
+                object.__setattr__(self, "algo", W4A16Algo(self.algo))
+            except ValueError:
+                raise ValueError(f"unknown W4A16 algo {self.algo!r}; allowed: {[a.value for a in W4A16Algo]}") from None
+        if min(self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages) < 1:
+            raise ValueError(f"W4A16Config sizes must be positive, got {self}")
+
+    def __str__(self) -> str:
+        return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
+                f"w{self.num_warps} s{self.num_stages}")  # fmt: skip
 
 
 if triton is not None:
+
+    @triton.jit
+    def _field_magic(p, hi, J: tl.constexpr, BITS: tl.constexpr):
+        """Field ``J`` of packed words as fp32 ``2**23 + q * 2**E``, exactly (no I2F).
+
+        ``E = BITS*J`` for the fields that end at or below bit 23 (``J < 23 // BITS``), taken in
+        place from ``p``; the higher ones are taken from ``hi = p >>> 16`` (``E = BITS*J - 16``). OR-ing
+        the masked field into the exponent of 2**23 (0x4B000000) gives ``2**23 + q * 2**E`` (exact,
+        below 2**24), so one AND|OR (a LOP3) replaces shift + mask + I2F (a quarter-rate pipe), and
+        the caller's one FADD of ``2**23 + z * 2**E`` (``_zero_magic``) leaves ``(q - z) * 2**E``, exact.
+        The caller folds ``2**-E`` into x or the scale.
+
+        Args: p, hi int32 ``[R, C]``. Returns: fp32 ``[R, C]``.
+        """
+        MASK: tl.constexpr = (1 << BITS) - 1
+        LOW: tl.constexpr = 23 // BITS
+        E: tl.constexpr = BITS * J - 16 * (J // LOW)
+        if J < LOW:
+            f = (p & (MASK << E)) | 0x4B000000
+        else:
+            f = (hi & (MASK << E)) | 0x4B000000
+        return f.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _zero_magic(z, J: tl.constexpr, BITS: tl.constexpr):
+        """``2**23 + z * 2**E`` (fp32, exact): what ``_field_magic`` minus it leaves ``(q - z) * 2**E``."""
+        LOW: tl.constexpr = 23 // BITS
+        E: tl.constexpr = BITS * J - 16 * (J // LOW)
+        return 8388608.0 + z * (1 << E)  # 8388608 = 2**23
+
+    @triton.jit
+    def _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE: tl.constexpr):
+        """Scales and zero points (fp32 ``[R, BLOCK_N]``) of input rows ``kk [R]`` (0 past K)."""
+        gg = kk // GROUP_SIZE
+        gmask = (kk[:, None] < K) & mask_n[None, :]
+        s = tl.load(s_ptr + gg[:, None] * N + offs_n[None, :], mask=gmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + gg[:, None] * N + offs_n[None, :], mask=gmask, other=0).to(tl.float32)
+        return s, z
+
+    @triton.jit
+    def _tile_per_field(
+        acc, x_ptr, qw_ptr, s_ptr, z_ptr, k0, offs_m, offs_n, offs_kp, mask_m, mask_n, N, K, stride_xm,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, ALGO: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of the FMA / DOT / DOT_SWAP algos, without a reshape: field j of the packed tile
+        ``p [BLOCK_K // PACK, BLOCK_N]`` holds input rows ``k0 + i * PACK + j`` and is paired with those
+        x columns (a stride-PACK load of x, which is tiny and stays in L1).
+
+        ``acc``: fp32 ``[BLOCK_M, BKP, BLOCK_N]`` (FMA), ``[BLOCK_N, BLOCK_M]`` (DOT_SWAP), else
+        ``[BLOCK_M, BLOCK_N]``. Returns the updated ``acc``.
+        """
+        PACK: tl.constexpr = 32 // BITS
+        LOW: tl.constexpr = 23 // BITS
+        BKP: tl.constexpr = BLOCK_K // PACK
+        ONE_GROUP: tl.constexpr = GROUP_SIZE % BLOCK_K == 0  # the tile lies in one group: one scale row
+        kp = k0 // PACK + offs_kp
+        p = tl.load(qw_ptr + kp[:, None] * N + offs_n[None, :], mask=(kp[:, None] < K // PACK) & mask_n[None, :], other=0)
+        hi = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # fields that do not fit in place
+        if ONE_GROUP:
+            g = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        if ALGO == 0:  # FMA; for BLOCK_M == 1 in 2-D, so every tensor keeps the layout of the weight load
+            if BLOCK_M == 1:
+                part = tl.zeros([BKP, BLOCK_N], dtype=tl.float32)
+                xsum = tl.zeros([BKP], dtype=tl.float32)
+            else:
+                part = tl.zeros([BLOCK_M, BKP, BLOCK_N], dtype=tl.float32)
+                xsum = tl.zeros([BLOCK_M, BKP], dtype=tl.float32)
+        for J in tl.static_range(PACK):
+            E = BITS * J - 16 * (J // LOW)  # constexpr: see _field_magic
+            kk = k0 + offs_kp * PACK + J  # [BKP] input rows of field J
+            if ALGO == 0:  # FMA: x_j * 2**-E * w; zero point and scale applied once per tile below
+                if ONE_GROUP:
+                    # NOTE: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k): only scalars meet the tile in
+                    # the field loop (per-column vectors there cost a shared-memory layout conversion each)
+                    w = _field_magic(p, hi, J, BITS) - 8388608.0  # q * 2**E
+                else:
+                    s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
+                    w = (_field_magic(p, hi, J, BITS) - _zero_magic(z, J, BITS)) * s  # (q - z) * s * 2**E
+                if BLOCK_M == 1:
+                    xj = tl.load(x_ptr + offs_m * stride_xm + kk, mask=mask_m & (kk < K), other=0.0).to(tl.float32)  # [BKP]
+                    part += (xj * (1.0 / (1 << E)))[:, None] * w  # exact scaling by 2**-E
+                else:
+                    xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+                    xj = xj.to(tl.float32)  # [BLOCK_M, BKP]
+                    part += (xj * (1.0 / (1 << E)))[:, :, None] * w[None, :, :]  # [BLOCK_M, BKP, BLOCK_N]
+                xsum += xj
+            else:
+                if ONE_GROUP:
+                    zc = _zero_magic(z, J, BITS)[None, :]
+                    sj = (s * (1.0 / (1 << E)))[None, :]
+                else:
+                    s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
+                    zc = _zero_magic(z, J, BITS)
+                    sj = s * (1.0 / (1 << E))
+                wq = ((_field_magic(p, hi, J, BITS) - zc) * sj).to(x_ptr.dtype.element_ty)  # [BKP, BLOCK_N], exact until the cast
+                if ALGO == 1:  # DOT
+                    xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+                    acc += tl.dot(xj, wq)
+                else:  # DOT_SWAP: [BLOCK_N, BKP] @ [BKP, BLOCK_M]
+                    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < K), other=0.0)
+                    acc += tl.dot(tl.trans(wq), xt)
+        if ALGO == 0:
+            if ONE_GROUP:
+                if BLOCK_M == 1:
+                    part = (part - xsum[:, None] * z[None, :]) * s[None, :]
+                else:
+                    part = (part - xsum[:, :, None] * z[None, None, :]) * s[None, None, :]
+            acc += part
+        return acc
+
+    @triton.jit
+    def _tile_reshape(
+        acc, x_ptr, qw_ptr, s_ptr, z_ptr, k0, offs_m, offs_n, offs_kp, mask_m, mask_n, N, K, stride_xm,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of the first kernel (RESHAPE_*): unpack to ``[BLOCK_K, BLOCK_N]`` by a reshape,
+        int->fp32 conversion, fp32 dequant, then ``tl.dot`` or broadcast FMA + per-step reduction."""
+        PACK: tl.constexpr = 32 // BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        shifts = tl.arange(0, PACK) * BITS
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+        kp = k0 // PACK + offs_kp
+        p = tl.load(qw_ptr + kp[:, None] * N + offs_n[None, :], mask=(kp[:, None] < K // PACK) & mask_n[None, :], other=0)
+        q = (p[:, None, :] >> shifts[None, :, None]) & MASK  # [BLOCK_K // PACK, PACK, BLOCK_N]
+        q = tl.reshape(q, [BLOCK_K, BLOCK_N]).to(tl.float32)  # row k0 + i*PACK + j
+        s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
+        w = (q - z) * s
+        if USE_DOT:
+            acc += tl.dot(x, w.to(x.dtype))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(x.dtype).to(tl.float32)[None, :, :], axis=1)
+        return acc
 
     def _w4a16_kernel_fn(
         x_ptr,  # [M, K] activations, row stride stride_xm, unit column stride
@@ -172,10 +364,9 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
-        USE_DOT: tl.constexpr,
+        ALGO: tl.constexpr,  # _FMA, _DOT, _DOT_SWAP, _RESHAPE_DOT, _RESHAPE_FMA
     ):
         PACK: tl.constexpr = 32 // BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
         tl.static_assert(BLOCK_K % PACK == 0)
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -191,58 +382,32 @@ if triton is not None:
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)  # 16-byte weight loads when N % 4 == 0
         offs_kp = tl.arange(0, BLOCK_K // PACK)
-        shifts = tl.arange(0, PACK) * BITS
         mask_m = offs_m < M
         mask_n = offs_n < N
-        Kp = K // PACK
-        G = K // GROUP_SIZE
 
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if ALGO == 0 and BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+        elif ALGO == 0:
+            acc = tl.zeros([BLOCK_M, BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+        elif ALGO == 2:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for it in range(it_start, it_end):
-            k0 = it * BLOCK_K
-            kk = k0 + offs_k
-            x = tl.load(
-                x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                mask=mask_m[:, None] & (kk[None, :] < K),
-                other=0.0,
-            )  # [BLOCK_M, BLOCK_K]
-            kp = k0 // PACK + offs_kp
-            p = tl.load(
-                qw_ptr + kp[:, None] * N + offs_n[None, :],
-                mask=(kp[:, None] < Kp) & mask_n[None, :],
-                other=0,
-            )  # [BLOCK_K // PACK, BLOCK_N]
-            q = (p[:, None, :] >> shifts[None, :, None]) & MASK  # [BLOCK_K // PACK, PACK, BLOCK_N]
-            q = tl.reshape(q, [BLOCK_K, BLOCK_N]).to(tl.float32)  # row k0 + i*PACK + j
-            if GROUP_SIZE % BLOCK_K == 0:
-                # the whole tile lies in one group: one scale row
-                g = k0 // GROUP_SIZE
-                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
-                w = (q - z[None, :]) * s[None, :]
-            elif BLOCK_K % GROUP_SIZE == 0:
-                # whole groups per tile: [BLOCK_K // GROUP_SIZE, BLOCK_N] scale rows, broadcast
-                GPT: tl.constexpr = BLOCK_K // GROUP_SIZE
-                gg = k0 // GROUP_SIZE + tl.arange(0, GPT)
-                gmask = (gg[:, None] < G) & mask_n[None, :]
-                s = tl.load(s_ptr + gg[:, None] * N + offs_n[None, :], mask=gmask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + gg[:, None] * N + offs_n[None, :], mask=gmask, other=0).to(tl.float32)
-                q3 = tl.reshape(q, [GPT, GROUP_SIZE, BLOCK_N])
-                w = tl.reshape((q3 - z[:, None, :]) * s[:, None, :], [BLOCK_K, BLOCK_N])
+            if ALGO <= 2:
+                acc = _tile_per_field(acc, x_ptr, qw_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m,
+                                      mask_n, N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, ALGO)
             else:
-                # general case (e.g. per-channel with K % BLOCK_K != 0): a group index per row
-                g = kk // GROUP_SIZE
-                gmask = (kk[:, None] < K) & mask_n[None, :]
-                s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=gmask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=gmask, other=0).to(tl.float32)
-                w = (q - z) * s
-            if USE_DOT:
-                acc += tl.dot(x, w.to(x.dtype))
-            else:
-                xw = x.to(tl.float32)[:, :, None] * w.to(x.dtype).to(tl.float32)[None, :, :]
-                acc += tl.sum(xw, axis=1)
+                acc = _tile_reshape(acc, x_ptr, qw_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m,
+                                    mask_n, N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, ALGO == 3)
+        if ALGO == 0 and BLOCK_M == 1:
+            acc = tl.sum(acc, axis=0)[None, :]  # the one cross-thread reduction of the GEMV
+        elif ALGO == 0:
+            acc = tl.sum(acc, axis=1)
+        elif ALGO == 2:
+            acc = tl.trans(acc)
 
         mask_out = mask_m[:, None] & mask_n[None, :]
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -266,22 +431,52 @@ if triton is not None:
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
                 tl.atomic_xchg(lock_ptr + pid, 0)
 
+    def _dequant_kernel_fn(
+        qw_ptr,  # int32 [K // PACK, N]
+        s_ptr,  # [G, N] scales
+        z_ptr,  # int16 [G, N] zero points
+        w_ptr,  # [K, N] output weight, in the activation dtype
+        N,
+        K,
+        BITS: tl.constexpr,
+        GROUP_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """DEQUANT_MATMUL's first pass: one ``[BLOCK_K, BLOCK_N]`` weight tile per program, field by field
+        (rows ``k0 + i * PACK + j`` of field j: each stored row is contiguous along N)."""
+        PACK: tl.constexpr = 32 // BITS
+        LOW: tl.constexpr = 23 // BITS
+        k0 = tl.program_id(0) * BLOCK_K
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_kp = tl.arange(0, BLOCK_K // PACK)
+        mask_n = offs_n < N
+        kp = k0 // PACK + offs_kp
+        p = tl.load(qw_ptr + kp[:, None] * N + offs_n[None, :], mask=(kp[:, None] < K // PACK) & mask_n[None, :], other=0)
+        hi = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+        for J in tl.static_range(PACK):
+            E = BITS * J - 16 * (J // LOW)  # constexpr: see _field_magic
+            kk = k0 + offs_kp * PACK + J
+            s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
+            w = (_field_magic(p, hi, J, BITS) - _zero_magic(z, J, BITS)) * (s * (1.0 / (1 << E)))
+            tl.store(w_ptr + kk[:, None] * N + offs_n[None, :], w.to(w_ptr.dtype.element_ty), mask=(kk[:, None] < K) & mask_n[None, :])
+
     _w4a16_kernel = triton.jit(_w4a16_kernel_fn)
-    _interpreted_kernel = None
+    _dequant_kernel = triton.jit(_dequant_kernel_fn)
+    _interpreted: dict = {}
 
 
-def _kernel_for(device: torch.device):
+def _kernel_for(device: torch.device, fn_name: str = "_w4a16_kernel_fn"):
     """The compiled kernel on CUDA; on CPU the Triton interpreter (needs ``TRITON_INTERPRET=1``)."""
-    global _interpreted_kernel
     if device.type == "cuda":
-        return _w4a16_kernel
+        return _w4a16_kernel if fn_name == "_w4a16_kernel_fn" else _dequant_kernel
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"w4a16_matmul needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 or use w4a16_matmul_ref")
-    if _interpreted_kernel is None:
+    if fn_name not in _interpreted:
         from triton.runtime.interpreter import InterpretedFunction
 
-        _interpreted_kernel = InterpretedFunction(_w4a16_kernel_fn)
-    return _interpreted_kernel
+        _interpreted[fn_name] = InterpretedFunction(globals()[fn_name])
+    return _interpreted[fn_name]
 
 
 class _SplitKWorkspace:
@@ -309,29 +504,48 @@ class _SplitKWorkspace:
 
 _WORKSPACE = _SplitKWorkspace()
 
-def default_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> W4A16Config:
-    """The launch configuration used when none is given: the fastest of the sweep in
-    ``benchmarks/bench_w4a16.py`` on an H200 (BENCHMARKS.md, "W4A16 / quantized"), as a rule.
 
-    * M = 1: broadcast-FMA GEMV (no tensor cores), split-K 8 with 32x256 tiles (4-8 with 64x128 when
-      N >= 8192);
-    * 2 <= M <= 16: 16x64x128 ``tl.dot`` tiles, split-K 8 while there are at most 96 output tiles
-      (N <= 6144), else 4, so that each SM has several programs streaming weights;
-    * M > 16: no split; 64x128x64 tiles, 128x128x64 when N >= 8192 (and M > 64).
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 for anything else: the H200 we tune on)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
-    Args/Returns: the GEMM sizes (``x [M, K] @ W [K, N]``) -> a ``W4A16Config``. ``group_size`` and
-    ``device`` are accepted for future rules; the choice does not depend on them yet.
+
+def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
+    """Split-K count that gives about ``programs_per_sm`` programs per SM (each SM streams weights from
+    several programs at once), at most one K step per program.
+
+    Args: output tiles of the grid, K steps (``ceil(K / BLOCK_K)``), SMs of the device.
+    Returns: an int in ``[1, k_iters]``.
     """
-    if M == 1:
-        if N >= 8192:
-            return W4A16Config(1, 64, 128, 4, num_warps=4, num_stages=3, use_dot=False)
-        return W4A16Config(1, 32, 256, 8, num_warps=4, num_stages=3, use_dot=False)
-    if M <= 16:
-        tiles = -(-N // 64)
-        return W4A16Config(16, 64, 128, 8 if tiles <= 96 else 4, num_warps=4, num_stages=4)
-    if M > 64 and N >= 8192:
-        return W4A16Config(128, 128, 64, 1, num_warps=4, num_stages=4)
-    return W4A16Config(64, 128, 64, 1, num_warps=4, num_stages=4)
+    return max(1, min(k_iters, -(-programs_per_sm * num_sms // num_tiles)))
+
+
+def default_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> W4A16Config:
+    """The launch configuration used when none is given (round 1 of issue 7: chosen by reasoning,
+    to be replaced by the H200 sweep of ``benchmarks/bench_w4a16.py``).
+
+    * M <= 4: the per-field FMA GEMV, ``BLOCK_M`` = M rounded up to a power of 2, 128 x 128 tiles
+      (64-wide when ``BLOCK_M = 4``, to bound registers), split-K to fill the SMs (``split_k_for``);
+    * 4 < M <= 64: per-field ``tl.dot``, 16 (or 32/64) x 64 x 128 tiles, split-K to fill the SMs;
+    * M > 64: per-field ``tl.dot``, 128 x 128 x 128 tiles, no split.
+
+    Args/Returns: the GEMM sizes (``x [M, K] @ W [K, N]``) and device -> a ``W4A16Config``.
+    ``group_size`` is accepted for future rules.
+    """
+    sms = _num_sms(device)
+    if M <= 4:
+        bm = 1 if M == 1 else (2 if M == 2 else 4)
+        bn, bk = (64 if bm == 4 else 128), 128
+        split = split_k_for(-(-N // bn), -(-K // bk), sms)
+        return W4A16Config(bm, bn, bk, split, num_warps=4, num_stages=3, algo=W4A16Algo.FMA)
+    if M <= 64:
+        bm = max(16, triton.next_power_of_2(M) if triton is not None else 64)
+        split = split_k_for(-(-M // bm) * -(-N // 64), -(-K // 128), sms)
+        return W4A16Config(bm, 64, 128, split, num_warps=4, num_stages=3, algo=W4A16Algo.DOT)
+    return W4A16Config(128, 128, 128, 1, num_warps=8, num_stages=3, algo=W4A16Algo.DOT)
 
 
 def w4a16_matmul(
@@ -360,8 +574,8 @@ def w4a16_matmul(
         ``[M, N]`` in ``x.dtype``.
 
     Raises:
-        ValueError: a wrong dtype, device, shape or stride (the offending tensor is named), or CPU
-            tensors without ``TRITON_INTERPRET=1``.
+        ValueError: a wrong dtype, device, shape or stride (the offending tensor is named), a config
+            the kernel cannot run, or CPU tensors without ``TRITON_INTERPRET=1``.
     """
     if triton is None:
         raise ValueError("w4a16_matmul needs triton; use w4a16_matmul_ref")
@@ -389,11 +603,24 @@ def w4a16_matmul(
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    kernel = _kernel_for(x.device)
     cfg = config or default_config(M, N, K, group_size, x.device)
     if cfg.block_k % pack:
         raise ValueError(f"config.block_k={cfg.block_k} must be a multiple of {pack}")
+    tensor_cores = cfg.algo in (W4A16Algo.DOT, W4A16Algo.DOT_SWAP, W4A16Algo.RESHAPE_DOT)
+    if x.is_cuda and tensor_cores and (cfg.block_m < 16 or cfg.block_k // pack < 16):
+        raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16 and block_k // {pack} >= 16")
 
+    if cfg.algo == W4A16Algo.DEQUANT_MATMUL:
+        # NOTE: a [K, N] scratch weight per call (from the caching allocator); meant for prefill-sized M
+        w = torch.empty((K, N), dtype=x.dtype, device=x.device)
+        _kernel_for(x.device, "_dequant_kernel_fn")[(triton.cdiv(K, cfg.block_k), triton.cdiv(N, cfg.block_n))](
+            qweight, scales, zeros, w, N, K, BITS=bits, GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        out = x @ w
+        return out + bias.to(x.dtype) if bias is not None else out
+
+    kernel = _kernel_for(x.device)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     num_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     if cfg.split_k > 1:
@@ -406,7 +633,7 @@ def w4a16_matmul(
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks,
         M, N, K, x.stride(0), out.stride(0),
         BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, ALGO=_ALGO_ID[cfg.algo],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

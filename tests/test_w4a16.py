@@ -44,14 +44,21 @@ def test_pack_unpack_and_dequantize_formula():
     assert torch.equal(k.unpack_rows(qweight8, 8), q8)
 
 
-# (M, K, N, bits, group_size, config): K not a multiple of BLOCK_K, per-channel (group = K),
-# several groups per tile, one group spanning tiles, 8-bit, split-K with bias, the FMA (GEMV) path.
+A = k.W4A16Algo
+# (M, K, N, bits, group_size, config), one case per algo and group layout: K not a multiple of BLOCK_K,
+# per-channel (group = K), several groups per tile, one group spanning tiles, 8-bit, split-K with bias.
 CASES = [
-    (3, 96, 40, 4, 32, k.W4A16Config(16, 32, 64, 1)),
-    (3, 96, 40, 4, 96, k.W4A16Config(16, 32, 64, 2)),
-    (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 64, 3)),
-    (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 32, 2, use_dot=False)),
-    (2, 160, 32, 4, 32, k.W4A16Config(2, 16, 64, 1, use_dot=False)),
+    (1, 256, 48, 4, 128, k.W4A16Config(1, 16, 128, 2, algo=A.FMA)),  # GEMV, one group per tile
+    (1, 264, 32, 4, 264, k.W4A16Config(1, 32, 128, 2, algo=A.FMA)),  # per-channel, K % BLOCK_K != 0
+    (3, 96, 40, 4, 32, k.W4A16Config(4, 32, 64, 1, algo=A.FMA)),  # 3-D FMA, two groups per tile
+    (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.FMA)),  # 8-bit
+    (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 128, 2, algo=A.DOT)),
+    (3, 96, 40, 4, 96, k.W4A16Config(16, 32, 64, 2, algo=A.DOT)),  # per-channel spanning tiles
+    (5, 256, 48, 4, 32, k.W4A16Config(16, 16, 128, 1, algo=A.DOT_SWAP)),
+    (2, 128, 64, 8, 64, k.W4A16Config(16, 32, 64, 2, algo=A.DOT_SWAP)),
+    (3, 96, 40, 4, 32, k.W4A16Config(16, 32, 64, 1, algo=A.RESHAPE_DOT)),
+    (2, 160, 32, 4, 32, k.W4A16Config(2, 16, 64, 1, algo=A.RESHAPE_FMA)),
+    (3, 264, 40, 4, 264, k.W4A16Config(16, 32, 64, 1, algo=A.DEQUANT_MATMUL)),
 ]
 
 
@@ -61,7 +68,7 @@ def test_kernel_matches_reference_fp32(M, K, N, bits, group_size, config):
         pytest.skip("float32 activations are an interpreter-only case (the CUDA kernel takes fp16/bf16)")
     _, qweight, scales, zeros = random_layer(K, N, bits, group_size)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
-    bias = torch.randn(N, generator=torch.Generator().manual_seed(2)) if config.split_k > 1 else None
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(2)) if config.split_k > 1 or config.algo == A.DEQUANT_MATMUL else None
     out = k.w4a16_matmul(x, qweight, scales, zeros, bits, group_size, bias=bias, config=config)
     ref = k.w4a16_matmul_ref(x, qweight, scales, zeros, bits, group_size, bias=bias)
     assert rel(out, ref) < 1e-5
@@ -77,6 +84,31 @@ def test_kernel_default_config_fp16():
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 64)
     assert out.dtype == torch.float16 and out.shape == (4, 64)
     assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 64)) < 2e-3
+
+
+def test_magic_number_fields_exact():
+    # the per-field unpack takes fields 0..4 (4-bit) in place and 5..7 from p >>> 16; every 4-bit value in
+    # every field position must dequantize exactly (fp32 activations: 1e-5 above is fp32 rounding of the sum)
+    q = torch.arange(16, dtype=torch.int32).repeat(8, 1).t().reshape(16 * 8, 1).repeat(1, 16)  # [128, 16]
+    q = q.roll(1, 0).contiguous()
+    qweight = k.pack_rows(q, 4).to(DEVICE)
+    scales = torch.ones(1, 16, dtype=torch.float16, device=DEVICE)
+    zeros = torch.full((1, 16), 16, dtype=torch.int16, device=DEVICE)  # GPTQ v1's largest zero (15 + 1)
+    eye = torch.eye(128, device=DEVICE, dtype=torch.float16 if HAS_CUDA else torch.float32)
+    cfg = k.W4A16Config(16, 16, 128, 1, algo=A.DOT) if HAS_CUDA else k.W4A16Config(128, 16, 128, 1, algo=A.FMA)
+    out = k.w4a16_matmul(eye, qweight, scales, zeros, 4, 128, config=cfg)  # = the dequantized weight
+    assert torch.equal(out.float().cpu(), (q - 16).float())
+
+
+def test_config_validation():
+    assert k.W4A16Config(1, 16, 64, algo="fma").algo is A.FMA
+    with pytest.raises(ValueError, match="algo"):
+        k.W4A16Config(1, 16, 64, algo="cutlass")
+    with pytest.raises(ValueError, match="positive"):
+        k.W4A16Config(1, 16, 64, split_k=0)
+    assert k.split_k_for(num_tiles=32, k_iters=32, num_sms=132) == 17
+    assert k.split_k_for(num_tiles=1000, k_iters=32, num_sms=132) == 1
+    assert k.split_k_for(num_tiles=1, k_iters=8, num_sms=132) == 8
 
 
 def test_kernel_rejects_bad_arguments():
