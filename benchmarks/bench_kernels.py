@@ -1,22 +1,29 @@
 """GPU check and timing of the Triton paged-attention kernels (issue 3). CUDA only.
 
-    python benchmarks/bench_kernels.py [--out DIR] [--skip-sweeps]
+    python benchmarks/bench_kernels.py [--out DIR] [--skip-grid] [--skip-defaults] [--skip-prefill-sweep]
+                                       [--decode-sweep] [--block-size-sweep] [--prefill-sweep]
 
 1. Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and a
    bf16 8192^3 matmul rate.
-2. Correctness at real sizes (bf16 unless noted, head_dim 128, 32 q / 8 kv heads, contexts up to 32k):
-   ``paged_attention`` against ``paged_attention_ref`` run on fp32 copies of the inputs; output poisoned
-   with NaN first; relative error ||out - ref|| / ||ref||; plus other head dims, block sizes, fp16/fp32,
-   window + softcap, a decode step captured in a CUDA graph and replayed on new contents, and
-   ``reshape_and_cache`` (bit-exact).
-3. Timings, ``triton.testing.do_bench`` medians (L2 flushed before each call by do_bench, and inputs
-   rotated over sets totalling > 4x L2), also as CUDA-graph replays for decode (no launch gaps):
-   decode batch 64 x 4096 and batch 1 x 32k (bytes of K/V read / time vs copy bandwidth), prefill
+2. Correctness at real sizes with the default configs (bf16 unless noted, head_dim 128, 32 q / 8 kv
+   heads, contexts up to 32k): ``paged_attention`` against ``paged_attention_ref`` run on fp32 copies of
+   the inputs; output poisoned with NaN first; relative error ||out - ref|| / ||ref||; plus other head
+   dims, block sizes, fp16/fp32, window + softcap, a decode step captured in a CUDA graph and replayed
+   on new contents, and ``reshape_and_cache`` (bit-exact).
+3. Timings of the defaults, ``triton.testing.do_bench`` medians (L2 flushed before each call by do_bench,
+   and inputs rotated over sets totalling > 4x L2), also as CUDA-graph replays for decode (no launch
+   gaps): decode batch 64 x 4096 and batch 1 x 32k (bytes of K/V read / time vs copy bandwidth), prefill
    8 x 2048 causal (TFLOP/s), each beside torch SDPA (``enable_gqa=True``) on the same data laid out
-   contiguously; a mixed prefill+decode batch in one launch vs two; a few config sweeps.
+   contiguously; a mixed prefill+decode batch (``paged_attention``'s two launches vs one launch vs two
+   calls); ``reshape_and_cache``.
+4. Prefill sweep (on by default): the candidate tile configs of ``PREFILL_CANDIDATES`` on 8 x 2048
+   causal, block_size 16, each checked against the fp32 reference (NaN-poisoned output) before it is
+   timed. ``--block-size-sweep``: prefill (default and the sweep's best) and decode (default) at
+   block_size 32 / 64 / 128. ``--decode-sweep``: the split-count and tile sweeps for decode.
 
-Prints a table last and writes everything to ``DIR/kernels_h200.json`` (DIR: --out, else $OUT, else
-benchmarks/results).
+``--prefill-sweep`` alone = ``--skip-grid --skip-defaults --block-size-sweep`` (the prefill question in
+about a minute). Prints a table last and writes everything to ``DIR/kernels_h200.json`` (DIR: --out,
+else $OUT, else benchmarks/results).
 """
 
 import argparse
@@ -220,15 +227,16 @@ def cache_check(results):
 
 
 # ---------------------------------------------------------------- timings
-def time_decode(batch, ctx, ceil, rows, sweeps):
-    sets = rotating(lambda i: paged_batch([1] * batch, [ctx] * batch, seed=10 + i), batch * ctx * HKV * D * 4)
+def time_decode(batch, ctx, ceil, rows, sweeps, block_size=16, sdpa=True):
+    sets = rotating(lambda i: paged_batch([1] * batch, [ctx] * batch, block_size=block_size, seed=10 + i),
+                    batch * ctx * HKV * D * 4)
     nbytes = kv_bytes(sets[0])
     outs = [torch.empty_like(s["query"]) for s in sets]
     roof_ms = nbytes / ceil["copy_bw_Bps"] * 1e3
-    name = f"decode B={batch} ctx={ctx}"
+    name = f"decode B={batch} ctx={ctx} bs{block_size}"
 
     def row(variant, ms, extra=None):
-        r = dict(name=name, variant=variant, ms=ms, kv_GBps=nbytes / (ms * 1e-3) / 1e9,
+        r = dict(name=name, variant=variant, ms=ms, kv_GBps=nbytes / (ms * 1e-3) / 1e9, block_size=block_size,
                  frac_copy_bw=nbytes / (ms * 1e-3) / ceil["copy_bw_Bps"], roofline_ms=roof_ms)
         r.update(extra or {})
         rows.append(r)
@@ -248,6 +256,9 @@ def time_decode(batch, ctx, ceil, rows, sweeps):
                     pa.KernelConfig(16, 64, 4, 4), pa.KernelConfig(16, 64, 8, 3)):
             fns = [lambda s=s, o=o, c=cfg: launch(s, o, c, auto) for s, o in zip(sets, outs)]
             row(f"triton tile_n={cfg.tile_n} warps={cfg.num_warps} stages={cfg.num_stages} cuda-graph", bench(fns, graph=True))
+    if not sdpa:
+        del sets
+        return
     # SDPA on the same K/V, contiguous [B, Hkv, ctx, D]
     sdpa_sets = [(s["query"].view(batch, H, 1, D), *contiguous_kv(s)) for s in sets]
     fns = [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for q, k, v in sdpa_sets]
@@ -265,28 +276,90 @@ def launch(b, out, cfg, splits):
                         b["query_start_loc"], out, D ** -0.5, None, None, splits, [pa.QueryBand(cfg, 1, pa.INT32_MAX)])
 
 
-def time_prefill(ceil, rows, sweeps, n=8, L=2048):
-    sets = rotating(lambda i: paged_batch([L] * n, [L] * n, seed=20 + i), n * L * (H + 2 * HKV) * D * 2)
+# Prefill candidates (block_m, tile_n, num_warps, num_stages, rescale_threshold, reverse_tiles); the first
+# is the default of 2026-11-29. Register use read from sm_90 SASS compiled on CPU (triton 3.9; the GPU has
+# 3.6): 128x32/4 warps 255 regs (a few spills at >= 3 stages); 256x32/8 warps 248-250, no spills;
+# 128x64/8 warps 200-206; 128x64/4 warps spills ~90 (not swept). Lazy rescaling (8.0) removes a
+# 128-FMUL-per-thread block (~23% of the loop's instructions) from most iterations.
+PREFILL_CANDIDATES = [
+    (128, 32, 4, 4, 0.0, False),
+    (128, 32, 4, 4, 0.0, True),
+    (128, 32, 4, 4, 8.0, False),
+    (128, 32, 4, 4, 8.0, True),
+    (128, 32, 4, 3, 8.0, True),
+    (256, 32, 8, 4, 8.0, True),
+    (256, 32, 8, 3, 8.0, True),
+    (256, 32, 8, 2, 8.0, True),
+    (128, 64, 8, 3, 8.0, True),
+    (128, 64, 8, 4, 8.0, True),
+    (128, 128, 8, 3, 8.0, True),
+]
+
+
+def cfg_name(c):
+    return (f"block_m={c.block_m} tile_n={c.tile_n} w={c.num_warps} s={c.num_stages}"
+            + (f" lazy={c.rescale_threshold:g}" if c.rescale_threshold else "") + (" rev" if c.reverse_tiles else ""))
+
+
+def prefill_sets(n, L, block_size):
+    return rotating(lambda i: paged_batch([L] * n, [L] * n, block_size=block_size, seed=20 + i),
+                    n * L * (H + 2 * HKV) * D * 2)
+
+
+def time_prefill(ceil, rows, checks, *, defaults=True, candidates=(), block_size=16, sdpa=True, n=8, L=2048):
+    """Prefill n x L causal: the default path, SDPA, and each candidate (checked first, then timed)."""
+    sets = prefill_sets(n, L, block_size)
     outs = [torch.empty_like(s["query"]) for s in sets]
     flops = 4 * n * (L * (L + 1) // 2) * H * D  # causal: query i sees i+1 keys; QK^T and PV, 2 flop per MAC
     roof_ms = flops / ceil["matmul_bf16_flops"] * 1e3
-    name = f"prefill {n}x{L} causal"
+    name = f"prefill {n}x{L} causal bs{block_size}"
+    best = None
 
-    def row(variant, ms):
-        rows.append(dict(name=name, variant=variant, ms=ms, tflops=flops / (ms * 1e-3) / 1e12, roofline_ms=roof_ms))
+    def row(variant, ms, cfg=None):
+        r = dict(name=name, variant=variant, ms=ms, tflops=flops / (ms * 1e-3) / 1e12, roofline_ms=roof_ms,
+                 block_size=block_size)
+        if cfg is not None:
+            r["config"] = dict(block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages, rescale_threshold=cfg.rescale_threshold,
+                               reverse_tiles=cfg.reverse_tiles)
+        rows.append(r)
 
-    fns = [lambda s=s, o=o: call(s, out=o) for s, o in zip(sets, outs)]
-    row("triton (default)", bench(fns))
-    if sweeps:
-        for cfg in (pa.KernelConfig(128, 128, 8, 3), pa.KernelConfig(128, 64, 4, 3), pa.KernelConfig(64, 64, 4, 3),
-                    pa.KernelConfig(128, 32, 4, 4), pa.KernelConfig(128, 64, 8, 4), pa.KernelConfig(128, 64, 8, 2)):
-            fns = [lambda s=s, o=o, c=cfg: launch(s, o, c, 1) for s, o in zip(sets, outs)]
-            row(f"triton block_m={cfg.block_m} tile_n={cfg.tile_n} warps={cfg.num_warps} stages={cfg.num_stages}", bench(fns))
-    sdpa_sets = [(s["query"].view(n, L, H, D).transpose(1, 2).contiguous(), *contiguous_kv(s)) for s in sets]
-    fns = [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-           for q, k, v in sdpa_sets]
-    row("torch SDPA contiguous", bench(fns))
-    del sets, sdpa_sets
+    b0 = sets[0]
+    ref = paged_attention_ref(b0["query"].float(), b0["key_cache"].float(), b0["value_cache"].float(),
+                              b0["block_tables"], b0["seq_lens"], b0["query_start_loc"], D ** -0.5)
+
+    def checked(label, fn):
+        out = torch.full_like(b0["query"], float("nan"))
+        fn(b0, out)
+        nan = bool(out.isnan().any())
+        err = rel_err(out, ref) if not nan else float("nan")
+        ok = (not nan) and err < 1e-2
+        checks.append(dict(name=f"{name} {label}", rel_err=err, nan=nan, ok=ok, tol=1e-2))
+        return ok
+
+    if defaults:
+        if checked("default", lambda b, o: call(b, out=o)):
+            row("triton (default)", bench([lambda s=s, o=o: call(s, out=o) for s, o in zip(sets, outs)]))
+    for c in candidates:
+        cfg = c if isinstance(c, pa.KernelConfig) else pa.KernelConfig(*c)
+        try:
+            if not checked(cfg_name(cfg), lambda b, o, c=cfg: launch(b, o, c, 1)):
+                continue
+            ms = bench([lambda s=s, o=o, c=cfg: launch(s, o, c, 1) for s, o in zip(sets, outs)])
+        except Exception as e:  # e.g. out of shared memory for a config on this triton
+            rows.append(dict(name=name, variant=cfg_name(cfg), error=repr(e)[:200]))
+            continue
+        row(f"triton {cfg_name(cfg)}", ms, cfg)
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    if sdpa:
+        sdpa_sets = [(s["query"].view(n, L, H, D).transpose(1, 2).contiguous(), *contiguous_kv(s)) for s in sets]
+        fns = [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+               for q, k, v in sdpa_sets]
+        row("torch SDPA contiguous", bench(fns))
+        del sdpa_sets
+    del sets, ref
+    return best
 
 
 def time_mixed(rows):
@@ -321,30 +394,61 @@ def main():
     global L2_BYTES
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--skip-sweeps", action="store_true")
+    ap.add_argument("--skip-grid", action="store_true", help="no correctness grid of the defaults")
+    ap.add_argument("--skip-defaults", action="store_true", help="no timings of the defaults")
+    ap.add_argument("--skip-prefill-sweep", action="store_true")
+    ap.add_argument("--decode-sweep", action="store_true", help="split-count and decode tile sweeps")
+    ap.add_argument("--block-size-sweep", action="store_true", help="prefill and decode at block_size 32/64/128")
+    ap.add_argument("--prefill-sweep", action="store_true",
+                    help="only the prefill question: --skip-grid --skip-defaults --block-size-sweep")
+    ap.add_argument("--skip-sweeps", action="store_true", help="defaults only (no prefill or decode sweep)")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="skip the remaining sections past this wall time")
     args = ap.parse_args()
+    if args.prefill_sweep:
+        args.skip_grid = args.skip_defaults = args.block_size_sweep = True
+    if args.skip_sweeps:
+        args.skip_prefill_sweep, args.decode_sweep = True, False
     t0 = time.time()
     props = torch.cuda.get_device_properties(DEV)
     L2_BYTES = getattr(props, "L2_cache_size", L2_BYTES) or L2_BYTES
     env = dict(device=props.name, sms=props.multi_processor_count, l2_bytes=L2_BYTES, torch=torch.__version__,
-               triton=triton.__version__, python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
+               triton=triton.__version__, python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
+               args=vars(args))
     print(env, flush=True)
     ceil = ceilings()
     print({k: f"{v:.4g}" for k, v in ceil.items()}, flush=True)
-    checks, timings = [], []
-    correctness(checks)
-    t_check = time.time() - t0
-    print(f"correctness done in {t_check:.0f}s", flush=True)
-    sections = [lambda: time_decode(64, 4096, ceil, timings, not args.skip_sweeps),
-                lambda: time_decode(1, 32768, ceil, timings, not args.skip_sweeps),
-                lambda: time_prefill(ceil, timings, not args.skip_sweeps),
-                lambda: time_mixed(timings), lambda: time_cache(ceil, timings)]
-    for sec in sections:
+    checks, timings, best = [], [], {}
+    if not args.skip_grid:
+        correctness(checks)
+        print(f"correctness done in {time.time() - t0:.0f}s", flush=True)
+    sections = []
+    if not args.skip_defaults:
+        sections += [("decode 64x4096", lambda: time_decode(64, 4096, ceil, timings, args.decode_sweep)),
+                     ("decode 1x32k", lambda: time_decode(1, 32768, ceil, timings, args.decode_sweep)),
+                     ("prefill default", lambda: time_prefill(ceil, timings, checks)),
+                     ("mixed", lambda: time_mixed(timings)), ("cache", lambda: time_cache(ceil, timings))]
+    if not args.skip_prefill_sweep:
+        def sweep():
+            best["cfg"] = time_prefill(ceil, timings, checks, defaults=args.skip_defaults,
+                                       candidates=PREFILL_CANDIDATES, sdpa=args.skip_defaults)
+        sections.append(("prefill sweep", sweep))
+    if args.block_size_sweep:
+        for bs in (32, 64, 128):
+            sections += [
+                (f"prefill bs{bs}", lambda bs=bs: time_prefill(ceil, timings, checks, block_size=bs, sdpa=False,
+                                                                candidates=[best["cfg"][0]] if best.get("cfg") else [])),
+                (f"decode 64x4096 bs{bs}", lambda bs=bs: time_decode(64, 4096, ceil, timings, False, bs, sdpa=False)),
+                (f"decode 1x32k bs{bs}", lambda bs=bs: time_decode(1, 32768, ceil, timings, False, bs, sdpa=False)),
+            ]
+    for label, sec in sections:
+        if time.time() - t0 > args.budget_s:
+            timings.append(dict(name="skipped", variant=f"{label} (past --budget-s {args.budget_s:g})"))
+            continue
         try:
             sec()
         except Exception as e:  # keep the rest of the run
-            timings.append(dict(name="error", variant=repr(e)[:300]))
-        print(f"t={time.time() - t0:.0f}s", flush=True)
+            timings.append(dict(name="error", variant=f"{label}: {e!r}"[:300]))
+        print(f"{label}: t={time.time() - t0:.0f}s", flush=True)
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kernels_h200.json")
@@ -352,7 +456,7 @@ def main():
         json.dump(dict(env=env, ceilings=ceil, correctness=checks, timings=timings, wall_s=time.time() - t0), f, indent=1)
     print(f"\n== correctness (rel. error vs fp32 reference) ==")
     for c in checks:
-        print(f"{'ok ' if c['ok'] else 'BAD'} {c['name']:<50} {c.get('rel_err', float('nan')):.2e} {c.get('error', '')}")
+        print(f"{'ok ' if c['ok'] else 'BAD'} {c['name']:<80} {c.get('rel_err', float('nan')):.2e} {c.get('error', '')}")
     print(f"\n== timings (median ms) copy {ceil['copy_bw_Bps'] / 1e12:.2f} TB/s, matmul {ceil['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s ==")
     for r in timings:
         extra = ""
@@ -362,7 +466,13 @@ def main():
             extra = f"{r['tflops']:6.0f} TFLOP/s"
         if "roofline_ms" in r:
             extra += f"  roofline {r['roofline_ms']:.4f}"
-        print(f"{r['name']:<34} {r.get('variant', ''):<52} {r.get('ms', float('nan')):8.4f} {extra}")
+        print(f"{r['name']:<36} {r.get('variant', ''):<56} {r.get('ms', float('nan')):8.4f} {extra}")
+    sdpa = [r["ms"] for r in timings if r.get("variant") == "torch SDPA contiguous" and r["name"].startswith("prefill")]
+    if sdpa:
+        print(f"\n== prefill 8x2048 vs SDPA {sdpa[0]:.4f} ms (target <= 1.5x, goal 1.2x) ==")
+        for r in sorted((r for r in timings if r["name"].startswith("prefill") and "ms" in r and "triton" in r["variant"]),
+                        key=lambda r: r["ms"]):
+            print(f"{r['ms'] / sdpa[0]:5.2f}x  {r['name']:<30} {r['variant']}")
     print(f"wrote {path}; wall {time.time() - t0:.0f}s")
 
 

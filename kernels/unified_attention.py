@@ -71,12 +71,22 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    RESCALE_THRESHOLD: tl.constexpr,  # > 0: lazy rescaling (log2 units); only with MASKED=False
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over KV tiles ``[tile_lo, tile_hi)``.
 
     ``MASKED=False`` is only for tiles every row may see in full (keys below all rows' positions and
     inside all rows' windows): it skips the mask and the guard for rows with no visible key.
+
+    ``RESCALE_THRESHOLD > 0`` (lazy rescaling, FlashAttention-4's trick; Zadouri et al., 2025): the
+    running max ``m_i`` and the ``acc``/``l_i`` rescale by ``2^(m_old - m_new)`` are updated only when
+    some row's max grew by more than the threshold; otherwise ``m_i`` stays (a stale max lets
+    ``p = 2^(s - m_i)`` reach ``2^RESCALE_THRESHOLD``, harmless in fp32 and in a bf16/fp16 ``p``)
+    and the ``[BLOCK_M, D_PAD]`` multiply of ``acc`` is skipped. ``acc``, ``l_i`` stay relative to
+    ``m_i`` either way, so the result is the same up to rounding. Needs ``MASKED=False`` (every row
+    has a finite max, so ``m_new - m_i`` is never ``-inf - -inf``).
     """
+    tl.static_assert(not (MASKED and RESCALE_THRESHOLD > 0))
     offs_n0 = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d[None, :] < HEAD_DIM  # [1, D_PAD]
@@ -110,23 +120,34 @@ def _attend_tiles(
                 visible = visible & ((q_pos[:, None] - offs_n[None, :]) < sliding_window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED:
-            # a row with no visible key so far keeps m = -inf (the merge of splits relies on it);
-            # subtract 0 there instead of computing -inf - -inf = nan
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if RESCALE_THRESHOLD > 0:
+            # one block-wide decision (a branch per row cannot skip a tensor-wide multiply)
+            if tl.max(m_new - m_i, 0) > RESCALE_THRESHOLD:
+                alpha = tl.math.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.math.exp2(s - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
         else:
-            m_sub = m_new
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+            if MASKED:
+                # a row with no visible key so far keeps m = -inf (the merge of splits relies on it);
+                # subtract 0 there instead of computing -inf - -inf = nan
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_sub = m_new
+            p = tl.math.exp2(s - m_sub[:, None])
+            alpha = tl.math.exp2(m_i - m_sub)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         if MASKED or HEAD_DIM != D_PAD:
             v = tl.load(v_head_ptr + row + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
             v = tl.load(v_head_ptr + row + offs_d[None, :])
         if UPCAST_DOT:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -151,16 +172,26 @@ def _unified_attention_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # dot in fp32: the interpreter's bf16 tl.dot is wrong (see paged_attention)
+    RESCALE_THRESHOLD: tl.constexpr,  # > 0: lazy rescaling on the unmasked tiles (see _attend_tiles)
+    REVERSE_TILES: tl.constexpr,  # program i takes query tile num_programs(0) - 1 - i (heavy tiles first)
 ):
     """One (query tile, KV head, KV split) per program; grid ``(num_q_tiles, num_kv_heads, num_splits)``.
 
     ``num_splits`` is a runtime int (a new split count must not recompile); ``SPLIT`` = num_splits > 1.
     Only sequences with ``min_q_len <= q_len <= max_q_len`` are computed (the wrapper gives decode-sized
     and prefill-sized sequences of one batch to two launches with different tile shapes).
+
+    ``REVERSE_TILES``: the hardware starts programs in order of ``program_id(0)`` (fastest axis); in
+    causal prefill a sequence's last query tiles see the most keys, so reversing the order starts the
+    heaviest tiles first and leaves the light ones for the tail of the launch (longest-processing-time
+    first, as FlashAttention-3 schedules causal tiles).
     """
     tl.static_assert(BLOCK_Q * NUM_QUERIES_PER_KV <= BLOCK_M)
     G: tl.constexpr = NUM_QUERIES_PER_KV
-    q_tile_id = tl.program_id(0)
+    if REVERSE_TILES:
+        q_tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        q_tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if ONE_TILE_PER_SEQ:
@@ -221,15 +252,15 @@ def _unified_attention_kernel(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_ptr, tile_lo, free_lo, seq_len, scale, softcap,
         sliding_window, stride_cb, stride_cs, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, UPCAST_DOT)
+        DOT_PRECISION, UPCAST_DOT, 0.0)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_ptr, free_lo, free_hi, seq_len, scale, softcap,
         sliding_window, stride_cb, stride_cs, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, False, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, UPCAST_DOT)
+        DOT_PRECISION, UPCAST_DOT, RESCALE_THRESHOLD)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_ptr, free_hi, tile_hi, seq_len, scale, softcap,
         sliding_window, stride_cb, stride_cs, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, UPCAST_DOT)
+        DOT_PRECISION, UPCAST_DOT, 0.0)
 
     if SPLIT:
         # [BLOCK_M] index of (token, head) in the partial buffers
