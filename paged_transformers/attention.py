@@ -74,6 +74,7 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Ca
     return reshape_and_cache, paged_attention
 
 
+@torch.compiler.disable  # the split point of compiled decoder layers (compile.py): never traced
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -37,6 +37,11 @@ class EngineConfig:
         attention_backend: ``"auto"``, ``"triton"`` or ``"torch"`` (parsed into ``AttentionBackend``).
         enforce_eager: never use CUDA graphs; by default decode-only steps on CUDA replay a graph captured
             per batch-size bucket at engine start (only with a backend that can be captured: Triton).
+            Also turns off ``compile_layers``'s default.
+        compile_layers: ``torch.compile`` each decoder layer around the paged attention, fusing the small
+            ops between the projections (norms, rotary embedding, activation, residual adds; see
+            ``paged_transformers.compile``). None (default): on exactly when CUDA graphs are (CUDA, Triton
+            attention, not ``enforce_eager``); compiling takes tens of seconds at engine start.
 
     Raises:
         ValueError: a field out of range, naming the field and the value.
@@ -63,6 +68,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackend | str = AttentionBackend.AUTO
     enforce_eager: bool = False
+    compile_layers: bool | None = None
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -78,6 +84,8 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.compile_layers is not None and not isinstance(self.compile_layers, bool):
+            raise ValueError(f"compile_layers must be a bool or None, got {self.compile_layers!r}")
         if isinstance(self.max_model_len, int) and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token and one output token), got {self.max_model_len}")
         gmu = self.gpu_memory_utilization

@@ -117,7 +117,7 @@ class LLMEngine:
             self.runner = ModelRunner(
                 model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
-                use_cuda_graphs=not self.config.enforce_eager,
+                use_cuda_graphs=not self.config.enforce_eager, compile_layers=self.config.compile_layers,
             )
             self.runner.capture_graphs()
         except BaseException:
@@ -133,6 +133,9 @@ class LLMEngine:
         self.closed = True
         for request_id in list(self.requests):
             self.abort_request(request_id)
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.uncompile()
         for hook in self._step_hooks:
             hook.remove()
         self._step_hooks = []

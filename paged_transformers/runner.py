@@ -101,6 +101,10 @@ class ModelRunner:
         use_cuda_graphs: capture decode graphs. Honoured only on CUDA and with a backend that launches
             without reading metadata on the host (the torch reference calls ``.tolist()``, which cannot be
             captured); otherwise the runner stays eager.
+        compile_layers: ``torch.compile`` the decoder layers around the attention (``compile.py``);
+            None: exactly when decode graphs are used. Compiled at construction by two dummy forwards
+            (one token, and two: the dynamic-shape graph); a compile error leaves the layers eager and
+            is recorded in ``compile_error``.
 
     Raises:
         ValueError: a limit that is not positive.
@@ -117,6 +121,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 8192,
         max_model_len: int = 4096,
         use_cuda_graphs: bool = False,
+        compile_layers: bool | None = None,
     ):
         assert model.config._attn_implementation == ATTENTION_NAME, model.config._attn_implementation
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -144,6 +149,10 @@ class ModelRunner:
         self.graph_capture_error: str | None = None
         self.record_steps = False
         self.steps: list[StepTrace] = []
+        self.compiled_layers: list[torch.nn.Module] = []
+        self.compile_error: str | None = None
+        if compile_layers if compile_layers is not None else self.graphs_enabled:
+            self._compile()
 
     # -- buffers ----------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:
@@ -255,6 +264,41 @@ class ModelRunner:
             logits_to_keep=self.logits_indices[:num_sampled],
         ).logits
 
+    # -- torch.compile --------------------------------------------------------------------------------
+    def _dummy_step(self, num_seqs: int) -> tuple:
+        """Fill the buffers with a decode step of ``num_seqs`` dummy rows that write nothing (every
+        ``slot_mapping`` entry -1, ``seq_len`` 1); returns the ``_forward`` arguments for it."""
+        B = num_seqs
+        self.input_ids[:B].zero_()
+        self.positions[:B].zero_()
+        self.slot_mapping[:B].fill_(-1)
+        self.seq_lens[:B].fill_(1)
+        self.query_start_loc[: B + 1].copy_(torch.arange(B + 1, dtype=torch.int32, device=self.device))
+        self.logits_indices[:B].copy_(torch.arange(B, dtype=torch.int64, device=self.device))
+        return (B, B, B, 1, self.max_model_len)
+
+    @torch.inference_mode()
+    def _compile(self) -> None:
+        """Compile the decoder layers now: one-token and two-token dummy forwards trace both graphs."""
+        from .compile import compile_layers, uncompile_layers
+
+        self.compiled_layers = compile_layers(self.model)
+        try:
+            for n in (1, min(2, self.max_num_seqs)):
+                self._forward(*self._dummy_step(n))
+        except Exception as e:  # an op Dynamo or Inductor cannot handle: stay eager
+            uncompile_layers(self.compiled_layers)
+            self.compiled_layers = []
+            self.compile_error = f"{type(e).__name__}: {e}"
+            logger.warning("torch.compile of the decoder layers failed, they run eagerly: %s", self.compile_error)
+
+    def uncompile(self) -> None:
+        """Give the model's decoder layers their eager ``forward`` back (the engine calls this on close)."""
+        from .compile import uncompile_layers
+
+        uncompile_layers(self.compiled_layers)
+        self.compiled_layers = []
+
     # -- CUDA graphs --------------------------------------------------------------------------------
     def _bucket(self, out: SchedulerOutput) -> int | None:
         """The graph bucket for ``out`` if it is a decode-only step that a captured graph can run."""
@@ -282,18 +326,12 @@ class ModelRunner:
         if not self.graphs_enabled or self.graphs:
             return
         sizes = sorted(self.graph_sizes, reverse=True)
-        B = sizes[0]
-        self.input_ids[:B].zero_()
-        self.positions[:B].zero_()
-        self.slot_mapping[:B].fill_(-1)
-        self.seq_lens[:B].fill_(1)
-        self.query_start_loc[: B + 1].copy_(torch.arange(B + 1, dtype=torch.int32, device=self.device))
-        self.logits_indices[:B].copy_(torch.arange(B, dtype=torch.int64, device=self.device))
+        self._dummy_step(sizes[0])
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         try:
             for size in sizes:
-                args = (size, size, size, 1, self.max_model_len)
+                args = (size, size, size, 1, self.max_model_len)  # the dummy rows of the largest bucket
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):

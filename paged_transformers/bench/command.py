@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization)
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (and no compiled layers)")
+    parser.add_argument("--no-compile", action="store_true", help="keep the decoder layers eager (compile_layers=False)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
                         help="also run the paged engine for each value of an EngineConfig field (repeatable; "
@@ -61,7 +62,8 @@ def _engine_config(args, requests: list[BenchRequest], **overrides) -> EngineCon
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len or -(-longest // 256) * 256,
                   gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks,
-                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                  compile_layers=False if args.no_compile else None)
     if args.no_prefix_caching and "enable_prefix_caching" in EngineConfig.__dataclass_fields__:
         fields["enable_prefix_caching"] = False
     fields.update(overrides)
@@ -80,8 +82,15 @@ def _sweep_points(sweeps: list[str]) -> list[dict]:
         name, _, values = spec.partition("=")
         if name not in EngineConfig.__dataclass_fields__ or not values:
             raise ValueError(f"--sweep wants FIELD=V1,V2 with an EngineConfig field, got {spec!r}")
-        axes.append([(name, int(v)) for v in values.split(",")])
+        axes.append([(name, _sweep_value(v)) for v in values.split(",")])
     return [dict(point) for point in itertools.product(*axes)] if axes else []
+
+
+def _sweep_value(text: str) -> int | bool:
+    """A sweep value: ``true``/``false`` for bool fields, else an integer."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text)
 
 
 def _save_partial(report: dict, args) -> None:

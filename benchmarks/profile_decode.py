@@ -1,0 +1,165 @@
+"""Where a decode step's device time goes: a kernel-by-kernel profile of the paged engine (GPU).
+
+Usage (GPU)::
+
+    python benchmarks/profile_decode.py --out benchmarks/results/profile_decode_h200.json
+
+1. Llama-3-8B shape, random bf16 weights, the engine's defaults (CUDA graphs on), once with the decoder
+   layers compiled (``compile_layers``, the default) and once eager (``--compile`` picks). For each batch
+   size in ``--batches`` (default 1 and 256): that many requests of ``--context`` prompt tokens are
+   prefilled, then ``--steps`` decode steps (CUDA-graph replays) run under ``torch.profiler``; kernels are
+   grouped by name and reported as microseconds and launches per step, next to the step's wall time.
+   Then one prefill step of ``max_num_batched_tokens`` (8 prompts of 1024 tokens) is profiled the same way.
+2. cuBLAS bf16 GEMV/GEMM times (``torch.matmul``, ``triton.testing.do_bench`` median, weights rotated over
+   sets larger than L2) for the Llama-3-8B projections, separate and fused (q|k|v, gate|up), at M = 1
+   and M = 256, as achieved bytes/s of the weight.
+"""
+
+import argparse
+import collections
+import gc
+import json
+import time
+
+import torch
+
+
+def kernel_table(prof, num_steps: int, top: int = 25) -> list[dict]:
+    """Device kernels of a profile grouped by name: microseconds and launches per step."""
+    total = collections.defaultdict(float)
+    count = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name] += ev.device_time
+            count[ev.name] += 1
+    rows = [{"kernel": name[:110], "us_per_step": t / num_steps, "launches_per_step": count[name] / num_steps}
+            for name, t in total.items()]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top] + [{"kernel": "ALL", "us_per_step": sum(total.values()) / num_steps,
+                          "launches_per_step": sum(count.values()) / num_steps}]
+
+
+def profile_engine(batches: list[int], context: int, steps: int, compile_layers: bool) -> dict:
+    from paged_transformers.bench import build_model
+    from paged_transformers.config import EngineConfig
+    from paged_transformers.engine import LLMEngine
+    from paged_transformers.sampling_params import SamplingParams
+
+    model = build_model("llama-3-8b", torch.bfloat16, "cuda")
+    model.generation_config.eos_token_id = None
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, compile_layers=compile_layers))
+    out = {"init_s": time.perf_counter() - t0, "compiled_layers": len(engine.runner.compiled_layers),
+           "compile_error": engine.runner.compile_error}
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for B in batches:
+        for i in range(B):
+            prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+            engine.add_request(f"b{B}-{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
+        # prefill (several chunks at large B) and a few decode steps to warm up
+        while True:
+            engine.step()
+            seqs = engine.scheduler.running
+            if len(seqs) == B and all(s.num_computed_tokens + 1 == s.num_tokens for s in seqs):
+                break
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        walls = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t0)
+        plain = []  # without the profiler or extra syncs (the step syncs on the sampled tokens anyway)
+        for _ in range(8):
+            t0 = time.perf_counter()
+            engine.step()
+            plain.append(time.perf_counter() - t0)
+        nosync_ms = sorted(plain)[len(plain) // 2] * 1e3
+        while engine.has_unfinished_requests():
+            engine.step()
+        walls.sort()
+        out[f"batch{B}"] = {"context": context, "steps": steps, "wall_ms_p50_synced": walls[len(walls) // 2] * 1e3,
+                           "wall_ms_p50_plain": nosync_ms, "graphs": sorted(engine.runner.graphs),
+                           "kernels": kernel_table(prof, steps)}
+    # one prefill step: 8 prompts of 1024 tokens = the 8192-token budget
+    for i in range(8):
+        engine.add_request(f"p{i}", torch.randint(0, vocab, (1024,), generator=g).tolist(),
+                           SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    out["prefill8x1024"] = {"wall_ms_p50_synced": wall * 1e3, "wall_ms_p50_plain": float("nan"),
+                            "kernels": kernel_table(prof, 1)}
+    engine.close()
+    del engine, model
+    gc.collect()  # the engine holds reference cycles (scheduler -> engine callbacks)
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    out["memory_left_gib"] = torch.cuda.memory_allocated() / 2**30
+    return out
+
+
+def gemv_table() -> list[dict]:
+    from triton.testing import do_bench
+
+    shapes = {"q": (4096, 4096), "k|v": (4096, 1024), "qkv fused": (4096, 6144), "o": (4096, 4096),
+              "gate|up": (4096, 14336), "gate+up fused": (4096, 28672), "down": (14336, 4096), "lm_head": (4096, 128256)}
+    rows = []
+    for M in (1, 256):
+        for name, (K, N) in shapes.items():
+            nbytes = K * N * 2
+            sets = max(2, -(-300_000_000 // nbytes))
+            ws = [torch.randn(K, N, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            it = iter(range(10**9))
+            ms = do_bench(lambda: x @ ws[next(it) % sets], warmup=25, rep=100, return_mode="median")
+            rows.append({"M": M, "proj": name, "K": K, "N": N, "us": ms * 1e3, "weight_TBps": nbytes / (ms * 1e-3) / 1e12})
+            del ws
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--compile", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--gemv", action="store_true", help="also time the cuBLAS projections (part 2)")
+    args = ap.parse_args()
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__}
+    report["gemv"] = gemv_table() if args.gemv else []
+    print(f"{'M':>4} {'proj':<14} {'us':>8} {'TB/s':>6}")
+    for r in report["gemv"]:
+        print(f"{r['M']:>4} {r['proj']:<14} {r['us']:8.1f} {r['weight_TBps']:6.2f}")
+    report["engine"] = {}
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.compile]
+    for m in modes:
+        mode = f"compile_{'on' if m else 'off'}"
+        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        print(f"\n== {mode}: init {cases['init_s']:.1f} s, compiled layers {cases['compiled_layers']}, "
+              f"error {cases['compile_error']}, memory left after close {cases['memory_left_gib']:.2f} GiB")
+        for name, e in cases.items():
+            if not isinstance(e, dict):
+                continue
+            print(f"{name}: wall p50 {e['wall_ms_p50_synced']:.2f} ms (synced), {e['wall_ms_p50_plain']:.2f} ms p50 without profiler")
+            for r in e["kernels"][:12] + e["kernels"][-1:]:
+                print(f"  {r['us_per_step']:9.1f} us {r['launches_per_step']:6.1f}x  {r['kernel'][:90]}")
+
+
+if __name__ == "__main__":
+    main()

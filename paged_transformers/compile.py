@@ -1,0 +1,52 @@
+"""``torch.compile`` of the model's decoder layers, split at the paged attention ("piecewise" compile).
+
+The forward stays the model's own transformers code. Each decoder layer's ``forward`` is replaced, on
+the instance, by ``torch.compile(forward, dynamic=True)``; the paged attention function is excluded from
+tracing (``torch.compiler.disable`` in ``attention.py``), so Dynamo splits every layer into a graph
+before and a graph after attention, and all layers of one class share those graphs (their weights are
+graph inputs). Inductor fuses the small ops between the projections -- RMSNorm's upcast / mean / rsqrt /
+scale, the rotary embedding's halves and concatenation, SiLU times the up projection, residual adds --
+into a few Triton kernels; the projections stay cuBLAS (or our W4A16 kernel) calls. vLLM compiles its
+model definitions the same way, with the graph split at attention (its ``splitting_ops``).
+
+Inductor runs with ``emulate_precision_casts`` so that a fused kernel rounds to the model dtype where the
+eager code does (e.g. the bf16 output of SiLU before the multiply), keeping the numbers those of the
+eager model up to the order of floating-point reductions.
+"""
+
+import logging
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+logger = logging.getLogger(__name__)
+
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the modules that subclass transformers' ``GradientCheckpointingLayer``
+    (every decoder layer of transformers 5 models does), outermost only, in module order."""
+    layers, inside = [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and not any(name.startswith(p + ".") for p in inside):
+            layers.append(module)
+            inside.add(name)
+    return layers
+
+
+def compile_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Replace each decoder layer's ``forward`` by its ``torch.compile``d version (lazy: Dynamo traces on
+    the first call). Returns the layers changed, for ``uncompile_layers``; an empty list when the model has
+    no ``GradientCheckpointingLayer`` (nothing is changed then)."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True, options=INDUCTOR_OPTIONS)
+    return layers
+
+
+def uncompile_layers(layers: list[torch.nn.Module]) -> None:
+    """Give ``layers`` their class's ``forward`` back (undoes ``compile_layers``)."""
+    for layer in layers:
+        if "forward" in vars(layer):
+            del layer.forward
