@@ -189,6 +189,7 @@ def run_bench(args) -> dict:
                                     "tpot_s_p50": res["tpot_s"]["p50"], "ttft_s_p50": res["ttft_s"]["p50"],
                                     "kv_capacity_tokens": res["kv_capacity_tokens"],
                                     "step_overhead": res["step_overhead"]})
+            _save_partial(report, args)
     return report
 
 
