@@ -1,19 +1,24 @@
-"""W4A16 GEMM on GPU: correctness at real sizes, timings vs bf16 ``torch.matmul``, and a batch-1
-decode step of a Llama-3-8B-shaped GPTQ model vs bf16.
+"""W4A16 GEMM on GPU: correctness at real sizes, timings vs bf16 ``torch.matmul``, and batch-1 decode of a
+Llama-3-8B-shaped GPTQ model vs bf16 through the paged engine. About 3 minutes on an H200.
 
 Usage (GPU)::
 
-    python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16_h200.json
+    python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16_h200_round2.json
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
-   as ``||out - ref|| / ||ref||`` on fresh random data, for the Llama-3-8B layer shapes at every M,
-   plus per-channel with K not a multiple of the tile, act-order, 8-bit, AWQ-converted and fp16 cases.
-2. GEMM timings, ``triton.testing.do_bench`` median (it clears L2 before every run; inputs also rotate
-   over several weight sets whose total exceeds L2), group 128, bf16 activations, shapes ``K x N`` =
-   4096x4096, 4096x14336, 14336x4096 at M = 1, 4, 16, 256: the default config and a small sweep of
-   launch configs, each checked against the reference before it is timed.
-3. End to end (standalone, plain transformers forward, no paged engine): one decode step at batch 1
-   after a 128-token prefill, ``StaticCache``; eager, and replayed from a CUDA graph when capture works.
+   as ``||out - ref|| / ||ref||`` on fresh random data, for the Llama-3-8B layer shapes at every M and
+   every algo off the tile grid (per-channel K = 4104, group 32 + bias, 8-bit, fp16), act-order and AWQ
+   through ``QuantLinear``, the custom op under ``torch.compile(fullgraph=True)``, and a CUDA-graph
+   capture + replay of the default split-K path.
+2. GEMM timings, shapes ``K x N`` = 4096x4096, 4096x14336, 14336x4096 at M = 1, 4, 16, 64, 256, group 128,
+   bf16: the default config and a few alternatives per (shape, M), each checked against the reference
+   first. Two clocks: ``graph_us``, device time per call from replaying a CUDA graph of 16 calls that
+   rotate over weight sets totalling > 4x L2 (what decode sees: the engine replays graphs), and
+   ``eager_us``, ``triton.testing.do_bench``'s median per eager call (includes any launch cost the GPU
+   waits for: round 1 measured only this, and its bimodal 15/55 us GEMV results are suspected to be it).
+3. End to end: ``run_paged`` (``paged_transformers.bench``) on a Llama-3-8B-shaped model with random
+   weights, bf16 and GPTQ 4-bit g128, compiled layers and CUDA graphs (the engine defaults): 4 requests,
+   then one request alone, 512-token prompt, 64 decode steps: median wall and device time per step.
 """
 
 import argparse
@@ -28,7 +33,7 @@ import torch
 from paged_transformers.kernels import w4a16 as k
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N) = (in_features, out_features)
-MS = [1, 4, 16, 256]
+MS = [1, 4, 16, 64, 256]
 GROUP = 128
 # targets of issue 7: speedup over bf16 at M in {1, 4, 16}; at M = 256 at least 0.8x
 TARGET_SMALL_M = {(4096, 4096): 2.5, (4096, 14336): 3.0, (14336, 4096): 3.0}
@@ -36,39 +41,32 @@ TARGET_SMALL_M = {(4096, 4096): 2.5, (4096, 14336): 3.0, (14336, 4096): 3.0}
 A = k.W4A16Algo
 
 
-def sweep_configs(M: int, N: int, K: int, sms: int) -> list[tuple[str, k.W4A16Config]]:
-    """Candidate configs per (M, N, K) for issue 7 round 1: the per-field kernels (FMA GEMV, DOT, DOT_SWAP,
-    split-K sized by ``k.split_k_for`` for 2/4/8 programs per SM), dequant + cuBLAS for M = 256, and the
-    round-0 reshape kernel at its old defaults as the baseline of the same run."""
+def sweep_configs(M: int, N: int, K: int, sms: int, device: torch.device) -> list[tuple[str, k.W4A16Config]]:
+    """A few alternatives to the default per (M, N, K): the round-1 runners-up and, for the GEMV, one K
+    step per program vs several (the round-2 prefetch), 2/4/8 programs per SM."""
 
     def split(bm, bn, bk, per_sm=4):
         return k.split_k_for(-(-M // bm) * -(-N // bn), -(-K // bk), sms, per_sm)
 
     out = []
-    if M <= 4:
-        bm = 1 if M == 1 else 4
-        fma = [(128, 128), (256, 128), (64, 128), (128, 256), (256, 64)] if M == 1 else [(64, 128), (32, 128), (64, 64)]
-        for bn, bk in fma:
-            for per_sm in (2, 4, 8) if (bn, bk) == fma[0] else (4,):
-                out.append(k.W4A16Config(bm, bn, bk, split(bm, bn, bk, per_sm), 4, 3, A.FMA))
-        out.append(k.W4A16Config(bm, 256, 128, split(bm, 256, 128), 8, 3, A.FMA))
-        if M == 1:  # round-0 defaults
-            out.append(k.W4A16Config(1, 32, 256, 8, 4, 3, A.RESHAPE_FMA) if N < 8192 else k.W4A16Config(1, 64, 128, 4, 4, 3, A.RESHAPE_FMA))
-    if 2 <= M <= 16:
+    if M == 1:
+        for bn, w in ((128, 4), (256, 8)):
+            for per_sm in (2, 4, 8):
+                out.append(k.W4A16Config(1, bn, 128, split(1, bn, 128, per_sm), w, 3, A.FMA))
+            out.append(k.W4A16Config(1, bn, 128, -(-K // 128), w, 3, A.FMA))  # one K step per program
+        out.append(k.W4A16Config(16, 64, 128, split(16, 64, 128), 4, 3, A.DOT))
+    elif M <= 64:
+        bm = 16 if M <= 16 else 64
         for algo in (A.DOT, A.DOT_SWAP):
-            for bn, bk in ((64, 128), (128, 128), (64, 256)):
-                out.append(k.W4A16Config(16, bn, bk, split(16, bn, bk), 4, 3, algo))
-            out.append(k.W4A16Config(16, 64, 128, split(16, 64, 128, 8), 4, 4, algo))
-        out.append(k.W4A16Config(16, 64, 128, 8 if -(-N // 64) <= 96 else 4, 4, 4, A.RESHAPE_DOT))  # round-0 default
-    if M > 16:
-        for bm, bn, bk, w in ((128, 128, 128, 8), (128, 256, 128, 8), (256, 128, 128, 8), (64, 128, 128, 4), (128, 128, 256, 8)):
-            out.append(k.W4A16Config(bm, bn, bk, 1, w, 3, A.DOT))
-        for bm, bn, bk, w in ((64, 128, 128, 4), (128, 128, 128, 8), (64, 256, 128, 8)):
-            out.append(k.W4A16Config(bm, bn, bk, 1, w, 3, A.DOT_SWAP))
-        out.append(k.W4A16Config(16, 128, 128, 1, 4, 3, A.DEQUANT_MATMUL))
+            for bn in (64, 128):
+                out.append(k.W4A16Config(bm, bn, 128, split(bm, bn, 128), 4, 3, algo))
+        if M == 64:
+            out.append(k.W4A16Config(128, 128, 128, 1, 4, 3, A.DEQUANT_MATMUL))
+    else:
         out.append(k.W4A16Config(16, 64, 256, 1, 4, 3, A.DEQUANT_MATMUL))
-        out.append(k.W4A16Config(64, 128, 64, 1, 4, 4, A.RESHAPE_DOT) if N < 8192 else k.W4A16Config(128, 128, 64, 1, 4, 4, A.RESHAPE_DOT))
-    return [(str(c), c) for c in out]
+        out.append(k.W4A16Config(128, 128, 128, 1, 8, 3, A.DOT_SWAP))
+    default = k.default_config(M, N, K, GROUP, device)
+    return [(str(c), c) for c in dict.fromkeys(out) if c != default]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -115,7 +113,7 @@ def check_correctness(device) -> list[dict]:
     case("fp16 activations", 16, 4096, 4096, 4, 128, dtype=torch.float16)
     case("fp16 activations M=256", 256, 4096, 4096, 4, 128, dtype=torch.float16)
     # every algo off the tile grid: per-channel K = 4104, group 32 with bias, 8-bit, fp16
-    for cfg in (k.W4A16Config(1, 128, 128, 4, algo=A.FMA), k.W4A16Config(4, 64, 128, 4, algo=A.FMA),
+    for cfg in (k.W4A16Config(1, 128, 128, 4, algo=A.FMA), k.W4A16Config(1, 128, 128, 33, algo=A.FMA),
                 k.W4A16Config(16, 64, 128, 4, algo=A.DOT), k.W4A16Config(16, 64, 128, 4, algo=A.DOT_SWAP),
                 k.W4A16Config(128, 128, 128, 1, 8, algo=A.DOT), k.W4A16Config(64, 128, 128, 1, 4, algo=A.DOT_SWAP),
                 k.W4A16Config(16, 128, 128, 1, algo=A.DEQUANT_MATMUL)):
@@ -144,6 +142,16 @@ def check_correctness(device) -> list[dict]:
         rows.append(dict(case="CUDA graph replay, default config M=1", M=1, rel_err=err, ok=err < 1e-2))
     except Exception as e:  # noqa: BLE001
         rows.append(dict(case="CUDA graph replay, default config M=1", M=1, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
+    # the custom op inside torch.compile: one opaque node (fullgraph=True fails on a graph break)
+    try:
+        qweight, scales, zeros = random_layer(4096, 4096, 4, 128, device)
+        x = torch.randn(1, 4096, device=device, dtype=torch.bfloat16)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: torch.nn.functional.silu(k.w4a16_matmul_op(x, qweight, scales, zeros, 4, 128)), fullgraph=True)
+        err = rel_err(fn(x), torch.nn.functional.silu(k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)))
+        rows.append(dict(case="custom op in torch.compile(fullgraph=True)", M=1, rel_err=err, ok=err < 1e-2))
+    except Exception as e:  # noqa: BLE001
+        rows.append(dict(case="custom op in torch.compile(fullgraph=True)", M=1, ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
     # act-order and AWQ through the converters, then through QuantLinear (the gather + kernel)
     from paged_transformers.quantization import QuantLinear, awq_to_kernel_layout, gptq_to_kernel_layout
     from paged_transformers.quantization.formats import AWQ_ORDER  # noqa: F401 (documents the layout)
@@ -174,11 +182,36 @@ def check_correctness(device) -> list[dict]:
     return rows
 
 
+def graph_time_ms(fn, num_calls: int = 16, replays: int = 20) -> float:
+    """Device time per call (ms): ``fn(i)`` for i < ``num_calls`` captured in one CUDA graph, replayed
+    ``replays`` times between CUDA events (no host launch cost; L2 is not flushed, but the calls rotate
+    over weight sets totalling > 4x L2)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(2):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(num_calls):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * num_calls)
+
+
 def time_gemms(device, quick: bool) -> list[dict]:
-    """do_bench medians (ms) of W4A16 (default config + sweep) and bf16 matmul per (shape, M)."""
+    """Per (shape, M): bf16 matmul and W4A16 (default config + alternatives), graph and eager clocks (us)."""
     import triton
 
     l2_bytes = 50 * 2**20  # H100/H200 L2 is 50 MB; rotate over sets totalling >= 4x that
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for K, N in SHAPES:
         int4_bytes = K * N // 2 + 2 * (K // GROUP) * N * 2
@@ -188,144 +221,66 @@ def time_gemms(device, quick: bool) -> list[dict]:
         bsets = [torch.randn(K, N, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n_b)]
         for M in MS:
             xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
-
-            def bench(fn):
-                return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-
             it = {"i": 0}
 
-            def bf16_fn():
-                it["i"] += 1
-                return torch.matmul(xs[it["i"] % len(xs)], bsets[it["i"] % n_b])
+            def eager(fn):
+                def call():
+                    it["i"] += 1
+                    return fn(it["i"])
+                return triton.testing.do_bench(call, warmup=10, rep=30, return_mode="median")
 
-            bf16_ms = bench(bf16_fn)
-            configs = [("default", None)]
-            if not quick:
-                configs += sweep_configs(M, N, K, torch.cuda.get_device_properties(device).multi_processor_count)
+            def bf16_fn(i):
+                return torch.matmul(xs[i % len(xs)], bsets[i % n_b])
+
+            bf16 = dict(graph_us=graph_time_ms(bf16_fn) * 1e3, eager_us=eager(bf16_fn) * 1e3)
+            configs = [("default", None)] + ([] if quick else sweep_configs(M, N, K, sms, device))
             for label, cfg in configs:
                 q0 = qsets[0]
+                used = cfg or k.default_config(M, N, K, GROUP, device)
                 try:
                     out = k.w4a16_matmul(xs[0], *q0, 4, GROUP, config=cfg)
-                except Exception as e:  # noqa: BLE001
-                    rows.append(dict(K=K, N=N, M=M, config=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *q0, 4, GROUP))
+                    if not err < 1e-2:
+                        raise AssertionError(f"rel_err {err:.3g}")
+
+                    def q_fn(i, cfg=cfg):
+                        return k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)
+
+                    g_us, e_us = graph_time_ms(q_fn) * 1e3, eager(q_fn) * 1e3
+                except Exception as e:  # noqa: BLE001 (record and go on: one call of device time)
+                    rows.append(dict(K=K, N=N, M=M, config=label, used=str(used), error=f"{type(e).__name__}: {str(e)[:300]}"))
                     print("  config failed", label, rows[-1]["error"], flush=True)
                     continue
-                err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *q0, 4, GROUP))
-                if not err < 1e-2:
-                    rows.append(dict(K=K, N=N, M=M, config=label, error=f"rel_err {err:.3g}"))
-                    continue
-
-                def q_fn(cfg=cfg):
-                    it["i"] += 1
-                    qs = qsets[it["i"] % n_q]
-                    return k.w4a16_matmul(xs[it["i"] % len(xs)], *qs, 4, GROUP, config=cfg)
-
-                ms = bench(q_fn)
-                used = cfg or k.default_config(M, N, K, GROUP, device)
-                rows.append(dict(K=K, N=N, M=M, config=label, used=str(used), w4a16_ms=ms, bf16_ms=bf16_ms,
-                                 speedup=bf16_ms / ms, rel_err=err, int4_bytes_floor_ms=int4_bytes / 4.8e9))
-                print(f"  K={K:5d} N={N:5d} M={M:3d} {label[:60]:60s} {ms*1e3:8.1f} us  bf16 {bf16_ms*1e3:8.1f} us  x{bf16_ms/ms:5.2f}", flush=True)
+                rows.append(dict(K=K, N=N, M=M, config=label, used=str(used), graph_us=g_us, eager_us=e_us,
+                                 bf16_graph_us=bf16["graph_us"], bf16_eager_us=bf16["eager_us"], speedup=bf16["graph_us"] / g_us,
+                                 rel_err=err, int4_bytes_floor_us=int4_bytes / 4.2e6))
+                print(f"  K={K:5d} N={N:5d} M={M:3d} {label[:34]:34s} {str(used)[:34]:34s} graph {g_us:7.1f} us (bf16 {bf16['graph_us']:6.1f}, "
+                      f"x{bf16['graph_us'] / g_us:4.2f})  eager {e_us:7.1f} us (bf16 {bf16['eager_us']:6.1f})", flush=True)
     return rows
 
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+def e2e_paged(device, num_requests: int = 4, context: int = 512, decode_steps: int = 64) -> dict:
+    """Batch-1 decode through the paged engine (compiled layers + CUDA graphs, the engine's defaults) of a
+    Llama-3-8B-shaped model with random weights: bf16 vs GPTQ 4-bit g128 (``run_paged``'s ``decode_batch1``)."""
+    from paged_transformers import EngineConfig
+    from paged_transformers.bench import BenchRequest, build_model, run_paged
 
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def e2e_decode(device, steps: int = 32, prompt_len: int = 128, shape: dict = LLAMA3_8B, dtype=torch.bfloat16) -> dict:
-    """Batch-1 decode step time (ms) of a Llama-3-8B-shaped model: GPTQ 4-bit g128 vs bf16."""
-    import inspect
-
-    import transformers
-    from transformers import StaticCache
-
-    from paged_transformers.quantization import build_random_quantized_model
-    from paged_transformers.quantization.loader import build_skeleton, finish_loading
-
-    cfg = transformers.LlamaConfig(**shape)
-    cfg._attn_implementation = "sdpa"
-    result = {"model": "llama-3-8b shape, random weights", "prompt_len": prompt_len, "decode_steps": steps}
-
-    def bf16_model():
-        model = build_skeleton(cfg, dtype)
-        gen = torch.Generator(device=device).manual_seed(0)
-        for module in model.modules():
-            for leaf, p in list(module._parameters.items()):
-                if p is not None and p.device.type == "meta":
-                    v = torch.randn(p.shape, generator=gen, device=device, dtype=dtype) * 0.02 if p.dim() >= 2 else torch.ones(p.shape, device=device, dtype=dtype)
-                    module._parameters[leaf] = torch.nn.Parameter(v, requires_grad=False)
-        finish_loading(model, device)
-        return model.eval()
-
-    for name, build in (("bf16", bf16_model),
-                        ("gptq", lambda: build_random_quantized_model(cfg, "gptq", 4, 128, dtype, device))):
+    result = {"model": "llama-3-8b shape, random weights", "context": context, "decode_steps": decode_steps}
+    requests = [BenchRequest(list(range(100 + i, 228 + i)), 16) for i in range(num_requests)]
+    for name, quant in (("bf16", None), ("gptq", "gptq")):
         t0 = time.perf_counter()
-        model = build()
-        _sync(device)
-        build_s = time.perf_counter() - t0
-        cache = StaticCache(config=model.config, max_cache_len=prompt_len + 4 * steps + 16)
-        # transformers 5.17 takes cache_position (graph-capturable); 5.24 derives it from position_ids
-        has_cache_position = "cache_position" in inspect.signature(model.model.forward).parameters
-        prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
-        extra = {"cache_position": torch.arange(prompt_len, device=device)} if has_cache_position else {}
-        model(input_ids=prompt, position_ids=torch.arange(prompt_len, device=device)[None], past_key_values=cache, use_cache=True, **extra)
-        tok = torch.zeros((1, 1), dtype=torch.long, device=device)
-        pos = torch.full((1,), prompt_len, dtype=torch.long, device=device)
-
-        def step():
-            extra = {"cache_position": pos} if has_cache_position else {}
-            logits = model(input_ids=tok, position_ids=pos[None], past_key_values=cache,
-                           use_cache=True, logits_to_keep=1, **extra).logits
-            tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
-            pos.add_(1)
-
-        for _ in range(3):
-            step()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync(device)
-        eager_ms = (time.perf_counter() - t0) / steps * 1e3
-        rec = {"build_s": build_s, "eager_step_ms": eager_ms}
-        if device.type != "cuda":
-            result[name] = rec
-            continue
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            graph.replay()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                graph.replay()
-            torch.cuda.synchronize()
-            rec["graph_step_ms"] = (time.perf_counter() - t0) / steps * 1e3
-        except Exception as e:  # noqa: BLE001 (report, do not fail the whole benchmark)
-            rec["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rec["weights_gb"] = sum(b.numel() * b.element_size() for b in list(model.parameters()) + list(model.buffers())) / 1e9
-        result[name] = rec
-        print(f"  e2e {name}: {rec}", flush=True)
-        del model, cache
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    for key in ("eager_step_ms", "graph_step_ms"):
-        if key in result["bf16"] and key in result["gptq"]:
-            result[f"speedup_{key}"] = result["bf16"][key] / result["gptq"][key]
+        model = build_model("llama-3-8b", torch.bfloat16, str(device), quantization=quant, bits=4, group_size=128)
+        config = EngineConfig(max_model_len=1024, max_num_seqs=8, gpu_memory_utilization=0.5)
+        res = run_paged(model, requests, config, batch1_context=context, batch1_tokens=decode_steps)
+        b1 = res.extra["decode_batch1"]
+        result[name] = dict(total_s=time.perf_counter() - t0, init_s=res.extra["init_s"], decode_batch1=b1,
+                            cuda_graphs=res.extra["cuda_graphs"], cuda_graph_capture_error=res.extra["cuda_graph_capture_error"])
+        print(f"  e2e {name}: batch-1 decode wall p50 {b1['tpot_s_p50'] * 1e3:.2f} ms, device p50 {b1['device_s_p50'] * 1e3:.2f} ms, "
+              f"kinds {b1['kinds']} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        del model, res
+        torch.cuda.empty_cache()
+    for key in ("tpot_s_p50", "device_s_p50"):
+        result[f"speedup_{key}"] = result["bf16"]["decode_batch1"][key] / result["gptq"]["decode_batch1"][key]
     return result
 
 
@@ -343,12 +298,13 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     report = {
         "command": "python benchmarks/bench_w4a16.py" + (" --quick" if args.quick else "") + (" --no-e2e" if args.no_e2e else ""),
+        "kernel_round": 2,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version(), "cuda": torch.version.cuda},
     }
-    t0 = time.perf_counter()
+    t0 = t_start = time.perf_counter()
     report["correctness"] = check_correctness(device)
     bad = [r for r in report["correctness"] if not r["ok"]]
     print(f"correctness: {len(report['correctness']) - len(bad)}/{len(report['correctness'])} ok ({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -357,7 +313,7 @@ def main() -> None:
     report["gemm"] = time_gemms(device, args.quick)
     if not args.no_e2e:
         try:
-            report["e2e_decode_batch1"] = e2e_decode(device)
+            report["e2e_paged_batch1"] = e2e_paged(device)
         except Exception as e:  # noqa: BLE001
             report["e2e_error"] = f"{type(e).__name__}: {str(e)[:500]}"
             print("e2e failed:", report["e2e_error"], flush=True)
@@ -365,35 +321,27 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    print("\nK x N         M   default us  best us (config)                                   bf16 us  x(default)  x(best)  target")
+    print("\nus per call, CUDA-graph clock (eager clock in brackets); x = bf16 / W4A16")
+    print("K x N        M   default                            best (config)                                    bf16     x(def)  x(best) target")
     for K, N in SHAPES:
         for M in MS:
-            rows = [r for r in report["gemm"] if r["K"] == K and r["N"] == N and r["M"] == M and "w4a16_ms" in r]
+            rows = [r for r in report["gemm"] if r["K"] == K and r["N"] == N and r["M"] == M and "graph_us" in r]
             if not rows:
                 continue
-            d = next((r for r in rows if r["config"] == "default"), rows[0])
-            b = min(rows, key=lambda r: r["w4a16_ms"])
+            d = next((r for r in rows if r["config"] == "default"), None)
+            b = min(rows, key=lambda r: r["graph_us"])
             target = TARGET_SMALL_M[(K, N)] if M <= 16 else 0.8
-            print(f"{K:5d}x{N:<5d} {M:4d} {d['w4a16_ms']*1e3:10.1f} {b['w4a16_ms']*1e3:8.1f} ({b['config'][:45]:45s}) "
-                  f"{d['bf16_ms']*1e3:8.1f} {d['speedup']:9.2f} {b['speedup']:8.2f}  >= {target}")
-    print("\nbest per algo (us):")
-    algos = [a.value for a in A]
-    print(f"{'K x N':11s} {'M':>4s} " + " ".join(f"{a:>14s}" for a in algos))
-    for K, N in SHAPES:
-        for M in MS:
-            rows = [r for r in report["gemm"] if r["K"] == K and r["N"] == N and r["M"] == M and "w4a16_ms" in r]
-            if not rows:
-                continue
-            cells = []
-            for a in algos:
-                t = [r["w4a16_ms"] for r in rows if r["used"].split()[0] == a]
-                cells.append(f"{min(t) * 1e3:14.1f}" if t else f"{'-':>14s}")
-            print(f"{K:5d}x{N:<5d} {M:4d} " + " ".join(cells))
-    if "e2e_decode_batch1" in report and "gptq" in report["e2e_decode_batch1"]:
-        e = report["e2e_decode_batch1"]
-        print(f"e2e batch-1 decode step: bf16 {e['bf16']} | gptq {e['gptq']} | "
-              f"speedup eager {e.get('speedup_eager_step_ms', float('nan')):.2f} graph {e.get('speedup_graph_step_ms', float('nan')):.2f}")
-
+            dtxt = f"{d['graph_us']:6.1f} [{d['eager_us']:6.1f}] {d['used'][:18]:18s}" if d else f"{'failed':33s}"
+            print(f"{K:5d}x{N:<5d} {M:4d} {dtxt} {b['graph_us']:6.1f} [{b['eager_us']:6.1f}] ({b['used'][:34]:34s}) "
+                  f"{b['bf16_graph_us']:6.1f} {d['speedup'] if d else float('nan'):8.2f} {b['speedup']:8.2f}  >= {target}")
+    bad = [r for r in report["correctness"] if not r["ok"]]
+    print(f"correctness: {len(report['correctness']) - len(bad)}/{len(report['correctness'])} ok")
+    if "e2e_paged_batch1" in report:
+        e = report["e2e_paged_batch1"]
+        print(f"e2e paged batch-1 decode (compiled layers, CUDA graphs): bf16 wall {e['bf16']['decode_batch1']['tpot_s_p50'] * 1e3:.2f} ms "
+              f"device {e['bf16']['decode_batch1']['device_s_p50'] * 1e3:.2f} ms | gptq wall {e['gptq']['decode_batch1']['tpot_s_p50'] * 1e3:.2f} ms "
+              f"device {e['gptq']['decode_batch1']['device_s_p50'] * 1e3:.2f} ms | speedup wall {e['speedup_tpot_s_p50']:.2f} device {e['speedup_device_s_p50']:.2f}")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
 
 if __name__ == "__main__":
     main()

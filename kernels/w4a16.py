@@ -21,10 +21,10 @@ unpacks it field by field, without a reshape (which costs a layout conversion th
 every step): field ``j`` is the ``[BLOCK_K // pack, BLOCK_N]`` tile of input rows ``k0 + i * pack + j``,
 paired with those x columns (a stride-``pack`` load of x, tiny and cached). Int -> float is the
 magic-number trick (``_field_magic``: OR the field into the mantissa of 2**23, no I2F), exact in fp32.
-``W4A16Algo`` names the variants: broadcast-FMA GEMV with a 3-D accumulator reduced once after the K
-loop and the zero point/scale folded per tile (``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)``),
-``tl.dot`` per field (``DOT``), the same with the weight as left operand (``DOT_SWAP``), the first
-reshape-based kernel (``RESHAPE_*``, kept for comparison), and dequantize + cuBLAS (``DEQUANT_MATMUL``).
+``W4A16Algo`` names the variants: broadcast-FMA GEMV (``M = 1``) with a 2-D accumulator reduced once
+after the K loop, the zero point/scale folded per tile (``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)``)
+and the next K step's weights prefetched by hand, ``tl.dot`` per field (``DOT``), the same with the
+weight as left operand (``DOT_SWAP``), and dequantize + cuBLAS (``DEQUANT_MATMUL``).
 Sources of the tricks: FasterTransformer / Marlin (magic-number dequant), exllama (dequant + GEMM for
 large batches), CUTLASS (serial split-K).
 
@@ -144,14 +144,12 @@ def w4a16_matmul_ref(
 class W4A16Algo(enum.Enum):
     """How a program turns its packed ``[BLOCK_K // pack, BLOCK_N]`` tile into output (module docstring).
 
-    * ``FMA``: per-field unpack, broadcast FMAs into a 3-D fp32 accumulator ``[BLOCK_M, BLOCK_K // pack,
-      BLOCK_N]`` that is reduced once after the K loop (GEMV, M <= 4);
+    * ``FMA``: per-field unpack, broadcast FMAs into a 2-D fp32 accumulator ``[BLOCK_K // pack, BLOCK_N]``
+      that is reduced once after the K loop (the GEMV: ``block_m`` must be 1);
     * ``DOT``: per-field unpack, ``tl.dot(x_j [BLOCK_M, BLOCK_K // pack], w_j [BLOCK_K // pack, BLOCK_N])``
       for each field j;
     * ``DOT_SWAP``: as ``DOT`` with the product transposed, ``tl.dot(w_j^T, x_j^T)``, so the dequantized
       weight is the left (register-sourced) MMA operand and ``BLOCK_M`` is the MMA's small N;
-    * ``RESHAPE_DOT`` / ``RESHAPE_FMA``: the first kernel (reshape to ``[BLOCK_K, BLOCK_N]``, I2F, dequant
-      in fp32), kept to be measured against in the same process;
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer,
       then ``torch.matmul`` (cuBLAS), as exllama does for large batches.
     """
@@ -159,15 +157,11 @@ class W4A16Algo(enum.Enum):
     FMA = "fma"
     DOT = "dot"
     DOT_SWAP = "dot_swap"
-    RESHAPE_DOT = "reshape_dot"
-    RESHAPE_FMA = "reshape_fma"
     DEQUANT_MATMUL = "dequant_matmul"
 
 
 # the kernel's ALGO constexpr
-_FMA, _DOT, _DOT_SWAP, _RESHAPE_DOT, _RESHAPE_FMA = range(5)
-_ALGO_ID = {W4A16Algo.FMA: _FMA, W4A16Algo.DOT: _DOT, W4A16Algo.DOT_SWAP: _DOT_SWAP,
-            W4A16Algo.RESHAPE_DOT: _RESHAPE_DOT, W4A16Algo.RESHAPE_FMA: _RESHAPE_FMA}  # fmt: skip
+_ALGO_ID = {W4A16Algo.FMA: 0, W4A16Algo.DOT: 1, W4A16Algo.DOT_SWAP: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,36 +239,38 @@ if triton is not None:
         return s, z
 
     @triton.jit
-    def _tile_per_field(
-        acc, x_ptr, qw_ptr, s_ptr, z_ptr, k0, offs_m, offs_n, offs_kp, mask_m, mask_n, N, K, stride_xm,
-        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, ALGO: tl.constexpr,
-    ):  # fmt: skip
-        """One K step of the FMA / DOT / DOT_SWAP algos, without a reshape: field j of the packed tile
-        ``p [BLOCK_K // PACK, BLOCK_N]`` holds input rows ``k0 + i * PACK + j`` and is paired with those
-        x columns (a stride-PACK load of x, which is tiny and stays in L1).
+    def _load_packed(qw_ptr, it, it_end, offs_kp, offs_n, mask_n, N, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The packed tile of K step ``it``: int32 ``[BLOCK_K // PACK, BLOCK_N]`` (zeros past K or at ``it >= it_end``)."""
+        PACK: tl.constexpr = 32 // BITS
+        kp = it * (BLOCK_K // PACK) + offs_kp
+        kp_end = tl.minimum(K // PACK, it_end * (BLOCK_K // PACK))  # it >= it_end: all masked
+        mask = (kp[:, None] < kp_end) & mask_n[None, :]
+        return tl.load(qw_ptr + kp[:, None] * N + offs_n[None, :], mask=mask, other=0)
 
-        ``acc``: fp32 ``[BLOCK_M, BKP, BLOCK_N]`` (FMA), ``[BLOCK_N, BLOCK_M]`` (DOT_SWAP), else
-        ``[BLOCK_M, BLOCK_N]``. Returns the updated ``acc``.
+    @triton.jit
+    def _tile_per_field(
+        acc, p, x_ptr, s_ptr, z_ptr, k0, offs_m, offs_n, offs_kp, mask_m, mask_n, N, K, stride_xm,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ALGO: tl.constexpr,
+    ):  # fmt: skip
+        """One K step, without a reshape: field j of the packed tile ``p [BLOCK_K // PACK, BLOCK_N]`` (rows
+        from ``k0 // PACK``) holds input rows ``k0 + i * PACK + j`` and is paired with those x columns (a
+        stride-PACK load of x, which is tiny and stays in L1).
+
+        ``acc``: fp32 ``[BKP, BLOCK_N]`` (FMA, ``BLOCK_M = 1``: reduced over its rows after the K loop),
+        ``[BLOCK_N, BLOCK_M]`` (DOT_SWAP), ``[BLOCK_M, BLOCK_N]`` (DOT). Returns the updated ``acc``.
         """
         PACK: tl.constexpr = 32 // BITS
         LOW: tl.constexpr = 23 // BITS
         BKP: tl.constexpr = BLOCK_K // PACK
         ONE_GROUP: tl.constexpr = GROUP_SIZE % BLOCK_K == 0  # the tile lies in one group: one scale row
-        kp = k0 // PACK + offs_kp
-        p = tl.load(qw_ptr + kp[:, None] * N + offs_n[None, :], mask=(kp[:, None] < K // PACK) & mask_n[None, :], other=0)
         hi = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # fields that do not fit in place
         if ONE_GROUP:
             g = k0 // GROUP_SIZE
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
             z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
-        if ALGO == 0:  # FMA; for BLOCK_M == 1 in 2-D, so every tensor keeps the layout of the weight load
-            if BLOCK_M == 1:
-                part = tl.zeros([BKP, BLOCK_N], dtype=tl.float32)
-                xsum = tl.zeros([BKP], dtype=tl.float32)
-            else:
-                part = tl.zeros([BLOCK_M, BKP, BLOCK_N], dtype=tl.float32)
-                xsum = tl.zeros([BLOCK_M, BKP], dtype=tl.float32)
+        if ALGO == 0:  # FMA, in 2-D so that every tensor keeps the layout of the weight load
+            part = tl.zeros([BKP, BLOCK_N], dtype=tl.float32)
+            xsum = tl.zeros([BKP], dtype=tl.float32)
         for J in tl.static_range(PACK):
             E = BITS * J - 16 * (J // LOW)  # constexpr: see _field_magic
             kk = k0 + offs_kp * PACK + J  # [BKP] input rows of field J
@@ -286,13 +282,8 @@ if triton is not None:
                 else:
                     s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
                     w = (_field_magic(p, hi, J, BITS) - _zero_magic(z, J, BITS)) * s  # (q - z) * s * 2**E
-                if BLOCK_M == 1:
-                    xj = tl.load(x_ptr + offs_m * stride_xm + kk, mask=mask_m & (kk < K), other=0.0).to(tl.float32)  # [BKP]
-                    part += (xj * (1.0 / (1 << E)))[:, None] * w  # exact scaling by 2**-E
-                else:
-                    xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
-                    xj = xj.to(tl.float32)  # [BLOCK_M, BKP]
-                    part += (xj * (1.0 / (1 << E)))[:, :, None] * w[None, :, :]  # [BLOCK_M, BKP, BLOCK_N]
+                xj = tl.load(x_ptr + offs_m * stride_xm + kk, mask=mask_m & (kk < K), other=0.0).to(tl.float32)  # [BKP]
+                part += (xj * (1.0 / (1 << E)))[:, None] * w  # exact scaling by 2**-E
                 xsum += xj
             else:
                 if ONE_GROUP:
@@ -311,36 +302,8 @@ if triton is not None:
                     acc += tl.dot(tl.trans(wq), xt)
         if ALGO == 0:
             if ONE_GROUP:
-                if BLOCK_M == 1:
-                    part = (part - xsum[:, None] * z[None, :]) * s[None, :]
-                else:
-                    part = (part - xsum[:, :, None] * z[None, None, :]) * s[None, None, :]
+                part = (part - xsum[:, None] * z[None, :]) * s[None, :]
             acc += part
-        return acc
-
-    @triton.jit
-    def _tile_reshape(
-        acc, x_ptr, qw_ptr, s_ptr, z_ptr, k0, offs_m, offs_n, offs_kp, mask_m, mask_n, N, K, stride_xm,
-        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    ):  # fmt: skip
-        """One K step of the first kernel (RESHAPE_*): unpack to ``[BLOCK_K, BLOCK_N]`` by a reshape,
-        int->fp32 conversion, fp32 dequant, then ``tl.dot`` or broadcast FMA + per-step reduction."""
-        PACK: tl.constexpr = 32 // BITS
-        MASK: tl.constexpr = (1 << BITS) - 1
-        shifts = tl.arange(0, PACK) * BITS
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
-        kp = k0 // PACK + offs_kp
-        p = tl.load(qw_ptr + kp[:, None] * N + offs_n[None, :], mask=(kp[:, None] < K // PACK) & mask_n[None, :], other=0)
-        q = (p[:, None, :] >> shifts[None, :, None]) & MASK  # [BLOCK_K // PACK, PACK, BLOCK_N]
-        q = tl.reshape(q, [BLOCK_K, BLOCK_N]).to(tl.float32)  # row k0 + i*PACK + j
-        s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
-        w = (q - z) * s
-        if USE_DOT:
-            acc += tl.dot(x, w.to(x.dtype))
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(x.dtype).to(tl.float32)[None, :, :], axis=1)
         return acc
 
     def _w4a16_kernel_fn(
@@ -364,7 +327,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
-        ALGO: tl.constexpr,  # _FMA, _DOT, _DOT_SWAP, _RESHAPE_DOT, _RESHAPE_FMA
+        ALGO: tl.constexpr,  # 0 FMA, 1 DOT, 2 DOT_SWAP (_ALGO_ID)
     ):
         PACK: tl.constexpr = 32 // BITS
         tl.static_assert(BLOCK_K % PACK == 0)
@@ -387,27 +350,32 @@ if triton is not None:
         mask_m = offs_m < M
         mask_n = offs_n < N
 
-        if ALGO == 0 and BLOCK_M == 1:
+        if ALGO == 0:
             acc = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
-        elif ALGO == 0:
-            acc = tl.zeros([BLOCK_M, BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
         elif ALGO == 2:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for it in range(it_start, it_end):
-            if ALGO <= 2:
-                acc = _tile_per_field(acc, x_ptr, qw_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m,
-                                      mask_n, N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, ALGO)
-            else:
-                acc = _tile_reshape(acc, x_ptr, qw_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m,
-                                    mask_n, N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, ALGO == 3)
-        if ALGO == 0 and BLOCK_M == 1:
+        if ALGO == 0:
+            # NOTE: Triton's pipeliner only stages loads that feed tl.dot, and in the sm_90 SASS of a plain FMA
+            # loop ptxas issues the tile's 16-byte loads interleaved with the FMAs that use them: every K step
+            # waited out DRAM latency 2-3 times with one program or two per SM (round 1: 55 us where one K step
+            # per program gave 15). So the GEMV prefetches by hand: step it+1's tile is loaded before step it is
+            # computed, and stays in flight during it.
+            p = _load_packed(qw_ptr, it_start, it_end, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K)
+            for it in range(it_start, it_end):
+                p_next = _load_packed(qw_ptr, it + 1, it_end, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K)
+                acc = _tile_per_field(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m, mask_n,
+                                      N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, ALGO)
+                p = p_next
             acc = tl.sum(acc, axis=0)[None, :]  # the one cross-thread reduction of the GEMV
-        elif ALGO == 0:
-            acc = tl.sum(acc, axis=1)
-        elif ALGO == 2:
-            acc = tl.trans(acc)
+        else:
+            for it in range(it_start, it_end):  # the loads feed tl.dot: Triton's pipeliner stages them
+                p = _load_packed(qw_ptr, it, it_end, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K)
+                acc = _tile_per_field(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m, mask_n,
+                                      N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, ALGO)
+            if ALGO == 2:
+                acc = tl.trans(acc)
 
         mask_out = mask_m[:, None] & mask_n[None, :]
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -417,14 +385,15 @@ if triton is not None:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
         else:
             ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-            tl.atomic_add(ws_ptrs, acc, mask=mask_out)
-            # every thread's partial must be in before this program counts itself as arrived
+            # NOTE: relaxed partial sums (the default acq_rel puts a MEMBAR.ALL.GPU before each); the counter's
+            # acq_rel orders them: every thread's adds are in (barrier) before this program counts as arrived
+            tl.atomic_add(ws_ptrs, acc, mask=mask_out, sem="relaxed")
             tl.debug_barrier()
             arrived = tl.atomic_add(lock_ptr + pid, 1)
             if arrived == SPLIT_K - 1:
                 # last program of this tile: take the sum and leave zeros behind for the next call
                 zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                total = tl.atomic_add(ws_ptrs, zero, mask=mask_out)  # an L2-coherent read of the sum
+                total = tl.atomic_add(ws_ptrs, zero, mask=mask_out, sem="relaxed")  # an L2-coherent read of the sum
                 tl.store(ws_ptrs, zero, mask=mask_out)
                 if HAS_BIAS:
                     total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -524,28 +493,42 @@ def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int
 
 
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> W4A16Config:
-    """The launch configuration used when none is given (round 1 of issue 7: chosen by reasoning,
-    to be replaced by the H200 sweep of ``benchmarks/bench_w4a16.py``).
+    """The launch configuration used when none is given: the fastest of the H200 sweep of issue 7
+    round 1 (``benchmarks/results/w4a16_h200_round1.log``, group 128, bf16), as rules on the shape.
 
-    * M <= 4: the per-field FMA GEMV, ``BLOCK_M`` = M rounded up to a power of 2, 128 x 128 tiles
-      (64-wide when ``BLOCK_M = 4``, to bound registers), split-K to fill the SMs (``split_k_for``);
-    * 4 < M <= 64: per-field ``tl.dot``, 16 (or 32/64) x 64 x 128 tiles, split-K to fill the SMs;
-    * M > 64: per-field ``tl.dot``, 128 x 128 x 128 tiles, no split.
+    A weight is *square* when neither side is twice the other (4096 x 4096), *wide* when
+    ``N >= 2K`` (gate/up projections, 4096 x 14336) and *tall* when ``K >= 2N`` (down projection,
+    14336 x 4096). Split-K comes from ``split_k_for`` with the programs per SM of each winner:
+
+    ========  =============================================  ==========================================
+    M         square                                         wide / tall
+    ========  =============================================  ==========================================
+    1         FMA 1x128x128, 4 warps, 8 per SM (14.8 us)     wide: FMA 1x128x128, 4 warps, 2 per SM (30.1)
+                                                             tall: FMA 1x256x128, 8 warps, 4 per SM (32.4)
+    2 - 4     DOT 16x64x128, 4 per SM (17.3 us)              DOT 16x128x128, 4 per SM (39.0 / 36.5 us)
+    5 - 16    DOT_SWAP 16x64x128, 4 per SM (22.2 us)         DOT 16x128x128, 4 per SM (50.7 / 44.7 us)
+    > 16      DEQUANT_MATMUL 128x128 tiles (53.5 us)         the same (93.4 / 94.0 us)
+    ========  =============================================  ==========================================
+
+    NOTE: round 1 timed eager calls, whose Python launch cost (~50 us) could show through the timer
+    (bimodal 15/55 us results); ``benchmarks/bench_w4a16.py`` now times CUDA-graph replays, and these
+    rules are to be re-checked against it. 17 <= M < 256 was not measured (DEQUANT_MATMUL's cuBLAS
+    GEMM is the safe side there).
 
     Args/Returns: the GEMM sizes (``x [M, K] @ W [K, N]``) and device -> a ``W4A16Config``.
     ``group_size`` is accepted for future rules.
     """
     sms = _num_sms(device)
-    if M <= 4:
-        bm = 1 if M == 1 else (2 if M == 2 else 4)
-        bn, bk = (64 if bm == 4 else 128), 128
-        split = split_k_for(-(-N // bn), -(-K // bk), sms)
-        return W4A16Config(bm, bn, bk, split, num_warps=4, num_stages=3, algo=W4A16Algo.FMA)
-    if M <= 64:
-        bm = max(16, triton.next_power_of_2(M) if triton is not None else 64)
-        split = split_k_for(-(-M // bm) * -(-N // 64), -(-K // 128), sms)
-        return W4A16Config(bm, 64, 128, split, num_warps=4, num_stages=3, algo=W4A16Algo.DOT)
-    return W4A16Config(128, 128, 128, 1, num_warps=8, num_stages=3, algo=W4A16Algo.DOT)
+    wide, tall = N >= 2 * K, K >= 2 * N
+    k_iters = -(-K // 128)
+    if M == 1:
+        bn, warps, per_sm = (256, 8, 4) if tall else (128, 4, 2 if wide else 8)
+        return W4A16Config(1, bn, 128, split_k_for(-(-N // bn), k_iters, sms, per_sm), warps, 3, W4A16Algo.FMA)
+    if M <= 16:
+        bn = 128 if wide or tall else 64
+        algo = W4A16Algo.DOT_SWAP if M > 4 and not (wide or tall) else W4A16Algo.DOT
+        return W4A16Config(16, bn, 128, split_k_for(-(-M // 16) * -(-N // bn), k_iters, sms, 4), 4, 3, algo)
+    return W4A16Config(128, 128, 128, 1, 4, 3, W4A16Algo.DEQUANT_MATMUL)
 
 
 def w4a16_matmul(
@@ -606,7 +589,9 @@ def w4a16_matmul(
     cfg = config or default_config(M, N, K, group_size, x.device)
     if cfg.block_k % pack:
         raise ValueError(f"config.block_k={cfg.block_k} must be a multiple of {pack}")
-    tensor_cores = cfg.algo in (W4A16Algo.DOT, W4A16Algo.DOT_SWAP, W4A16Algo.RESHAPE_DOT)
+    if cfg.algo == W4A16Algo.FMA and cfg.block_m != 1:
+        raise ValueError(f"config {cfg}: the FMA GEMV needs block_m == 1")
+    tensor_cores = cfg.algo in (W4A16Algo.DOT, W4A16Algo.DOT_SWAP)
     if x.is_cuda and tensor_cores and (cfg.block_m < 16 or cfg.block_k // pack < 16):
         raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16 and block_k // {pack} >= 16")
 
@@ -637,3 +622,31 @@ def w4a16_matmul(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+# -- torch.compile -----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("paged_transformers::w4a16_matmul", mutates_args=())
+def w4a16_matmul_op(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``w4a16_matmul`` with the default config, as the custom op ``torch.ops.paged_transformers.w4a16_matmul``.
+
+    Dynamo keeps it as one opaque node of a compiled graph instead of tracing the Python validation, the
+    Triton launch and the split-K workspace (``_WORKSPACE``, hidden state the compiler must not see); its
+    fake implementation gives the ``[M, N]`` output in ``x.dtype``. Arguments, result and errors as
+    ``w4a16_matmul``.
+    """
+    return w4a16_matmul(x, qweight, scales, zeros, bits, group_size, bias)
+
+
+@w4a16_matmul_op.register_fake
+def _w4a16_matmul_fake(x, qweight, scales, zeros, bits, group_size, bias=None):
+    return x.new_empty((x.shape[0], qweight.shape[1]))

@@ -291,3 +291,50 @@ def test_build_random_quantized_model_equals_dequantized_plain_model(method, bit
     assert float((a - b).abs().max()) < 1e-4 * float(b.abs().max())
     outs = paged_generate(qmodel, [ids[0].tolist()], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 4
+
+
+def test_compiled_layers_with_quant_linear_match_stock_generate():
+    # EngineConfig(compile_layers=True) on CPU: QuantLinear's reference path is traced into the layer graphs
+    # (its weight cache would break them); greedy tokens must equal stock generate() of the same model, eager
+    from conftest import stock_greedy
+    from transformers import LlamaConfig
+
+    from paged_transformers import EngineConfig, LLMEngine
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    model = build_random_quantized_model(cfg, "gptq", 4, 32, torch.float32, "cpu", seed=2, desc_act=True)
+    prompts, max_tokens = [[3, 14, 15, 92, 65, 35], [7, 1, 8]], [6, 4]
+    refs = [stock_greedy(model, p, n)[0] for p, n in zip(prompts, max_tokens)]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
+    with LLMEngine(model, engine_config=config) as engine:
+        assert engine.runner.compile_error is None
+        for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n))
+        got = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = out.outputs[0].token_ids
+    assert [got[str(i)] for i in range(len(prompts))] == refs
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the layers ran through Dynamo
+
+
+def test_quant_linear_compiles_without_graph_breaks_on_cpu():
+    # fullgraph=True raises on any graph break (the CPU weight cache, keyed on data_ptr(), would cause one)
+    lin = QuantLinear(64, 32, 4, 32, bias=True, act_order=True, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        lin.qweight.copy_(torch.randint(-(2**31), 2**31, lin.qweight.shape, dtype=torch.int32, generator=g))
+        lin.scales.copy_(torch.rand(lin.scales.shape, generator=g) * 0.01)
+        lin.zeros.copy_(torch.randint(0, 17, lin.zeros.shape, generator=g))
+        lin.perm.copy_(torch.randperm(64, generator=g))
+        lin.bias.copy_(torch.randn(32, generator=g))
+    x = torch.randn(3, 64, generator=g)
+    ref = x @ lin.dequantize().t() + lin.bias  # independent: original input order, no permuted gather
+    assert float((lin(x) - ref).abs().max()) < 1e-5
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, fullgraph=True, backend="eager")
+    assert float((compiled(x) - ref).abs().max()) < 1e-5

@@ -46,18 +46,18 @@ def test_pack_unpack_and_dequantize_formula():
 
 A = k.W4A16Algo
 # (M, K, N, bits, group_size, config), one case per algo and group layout: K not a multiple of BLOCK_K,
-# per-channel (group = K), several groups per tile, one group spanning tiles, 8-bit, split-K with bias.
+# per-channel (group = K), several groups per tile, one group spanning tiles, 8-bit, split-K with bias;
+# the FMA GEMV with several K steps per program (its hand prefetch, masked at the split's end).
 CASES = [
     (1, 256, 48, 4, 128, k.W4A16Config(1, 16, 128, 2, algo=A.FMA)),  # GEMV, one group per tile
     (1, 264, 32, 4, 264, k.W4A16Config(1, 32, 128, 2, algo=A.FMA)),  # per-channel, K % BLOCK_K != 0
-    (3, 96, 40, 4, 32, k.W4A16Config(4, 32, 64, 1, algo=A.FMA)),  # 3-D FMA, two groups per tile
+    (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.FMA)),  # two groups per tile
+    (1, 512, 32, 4, 64, k.W4A16Config(1, 32, 64, 3, algo=A.FMA)),  # 8 K steps over 3 splits: 3, 3, 2
     (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.FMA)),  # 8-bit
     (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 128, 2, algo=A.DOT)),
     (3, 96, 40, 4, 96, k.W4A16Config(16, 32, 64, 2, algo=A.DOT)),  # per-channel spanning tiles
     (5, 256, 48, 4, 32, k.W4A16Config(16, 16, 128, 1, algo=A.DOT_SWAP)),
     (2, 128, 64, 8, 64, k.W4A16Config(16, 32, 64, 2, algo=A.DOT_SWAP)),
-    (3, 96, 40, 4, 32, k.W4A16Config(16, 32, 64, 1, algo=A.RESHAPE_DOT)),
-    (2, 160, 32, 4, 32, k.W4A16Config(2, 16, 64, 1, algo=A.RESHAPE_FMA)),
     (3, 264, 40, 4, 264, k.W4A16Config(16, 32, 64, 1, algo=A.DEQUANT_MATMUL)),
 ]
 
@@ -95,7 +95,7 @@ def test_magic_number_fields_exact():
     scales = torch.ones(1, 16, dtype=torch.float16, device=DEVICE)
     zeros = torch.full((1, 16), 16, dtype=torch.int16, device=DEVICE)  # GPTQ v1's largest zero (15 + 1)
     eye = torch.eye(128, device=DEVICE, dtype=torch.float16 if HAS_CUDA else torch.float32)
-    cfg = k.W4A16Config(16, 16, 128, 1, algo=A.DOT) if HAS_CUDA else k.W4A16Config(128, 16, 128, 1, algo=A.FMA)
+    cfg = k.W4A16Config(16, 16, 128, 1, algo=A.DOT) if HAS_CUDA else k.W4A16Config(128, 16, 128, 1, algo=A.DOT)
     out = k.w4a16_matmul(eye, qweight, scales, zeros, 4, 128, config=cfg)  # = the dequantized weight
     assert torch.equal(out.float().cpu(), (q - 16).float())
 
@@ -106,6 +106,8 @@ def test_config_validation():
         k.W4A16Config(1, 16, 64, algo="cutlass")
     with pytest.raises(ValueError, match="positive"):
         k.W4A16Config(1, 16, 64, split_k=0)
+    with pytest.raises(ValueError, match="reshape_fma"):
+        k.W4A16Config(1, 16, 64, algo="reshape_fma")  # removed in round 2
     assert k.split_k_for(num_tiles=32, k_iters=32, num_sms=132) == 17
     assert k.split_k_for(num_tiles=1000, k_iters=32, num_sms=132) == 1
     assert k.split_k_for(num_tiles=1, k_iters=8, num_sms=132) == 8
@@ -120,6 +122,35 @@ def test_kernel_rejects_bad_arguments():
         k.w4a16_matmul(x, qweight, scales, zeros, 4, 48)
     with pytest.raises(ValueError, match="zeros"):
         k.w4a16_matmul(x, qweight, scales, zeros.int(), 4, 32)
+    with pytest.raises(ValueError, match="block_m == 1"):
+        k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(2, 16, 64, algo=A.FMA))
+
+
+def test_default_config_rules():
+    # the round-1 H200 winners, reproduced by the rules (132 SMs)
+    cpu = torch.device("cpu")
+    assert str(k.default_config(1, 4096, 4096, 128, cpu)) == "fma 1x128x128 split32 w4 s3"
+    assert str(k.default_config(1, 14336, 4096, 128, cpu)) == "fma 1x128x128 split3 w4 s3"
+    assert str(k.default_config(1, 4096, 14336, 128, cpu)) == "fma 1x256x128 split33 w8 s3"
+    assert str(k.default_config(4, 4096, 4096, 128, cpu)) == "dot 16x64x128 split9 w4 s3"
+    assert str(k.default_config(4, 14336, 4096, 128, cpu)) == "dot 16x128x128 split5 w4 s3"
+    assert str(k.default_config(16, 4096, 14336, 128, cpu)) == "dot 16x128x128 split17 w4 s3"
+    assert str(k.default_config(16, 4096, 4096, 128, cpu)) == "dot_swap 16x64x128 split9 w4 s3"
+    assert k.default_config(256, 4096, 4096, 128, cpu).algo is A.DEQUANT_MATMUL
+
+
+def test_custom_op_is_one_node_under_torch_compile():
+    # Dynamo must not trace into the launch (validation, workspace): fullgraph=True fails on a graph break,
+    # aot_eager runs the fake implementation for the output's shape and dtype
+    _, qweight, scales, zeros = random_layer(256, 48, 4, 128)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    x = x.half() if HAS_CUDA else x
+    bias = torch.randn(48).to(x)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: k.w4a16_matmul_op(x, qweight, scales, zeros, 4, 128, bias) * 2, fullgraph=True, backend="aot_eager")
+    out = fn(x)
+    assert out.shape == (1, 48) and out.dtype == x.dtype
+    assert rel(out, 2 * k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128, bias=bias.float())) < 2e-3
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (real-size check)")
