@@ -16,13 +16,13 @@
    8 x 2048 causal (TFLOP/s), each beside torch SDPA (``enable_gqa=True``) on the same data laid out
    contiguously; a mixed prefill+decode batch (``paged_attention``'s two launches vs one launch vs two
    calls); ``reshape_and_cache``.
-4. Prefill sweep (on by default): the candidate tile configs of ``PREFILL_CANDIDATES`` on 8 x 2048
+4. Prefill sweep (on by default): the candidate configs of ``PREFILL_CANDIDATES`` on 8 x 2048
    causal, block_size 16, each checked against the fp32 reference (NaN-poisoned output) before it is
    timed. ``--block-size-sweep``: prefill (default and the sweep's best) and decode (default) at
    block_size 32 / 64 / 128. ``--decode-sweep``: the split-count and tile sweeps for decode.
 
-``--prefill-sweep`` alone = ``--skip-grid --skip-defaults --block-size-sweep`` (the prefill question in
-about a minute). Prints a table last and writes everything to ``DIR/kernels_h200.json`` (DIR: --out,
+``--prefill-sweep`` alone = ``--skip-grid --skip-defaults``: the candidates, the default and SDPA on
+8 x 2048 causal, block_size 16 (under a minute). Prints a table last and writes everything to ``DIR/kernels_h200.json`` (DIR: --out,
 else $OUT, else benchmarks/results).
 """
 
@@ -252,10 +252,11 @@ def time_decode(batch, ctx, ceil, rows, sweeps, block_size=16, sdpa=True):
                 continue
             fns = [lambda s=s, o=o, n=splits: call(s, out=o, num_kv_splits=n) for s, o in zip(sets, outs)]
             row(f"triton splits={splits} cuda-graph", bench(fns, graph=True))
-        for cfg in (pa.KernelConfig(16, 32, 4, 3), pa.KernelConfig(16, 128, 4, 3), pa.KernelConfig(16, 64, 4, 2),
-                    pa.KernelConfig(16, 64, 4, 4), pa.KernelConfig(16, 64, 8, 3)):
+        for cfg in (pa.KernelConfig(16, 64, 4, 2), pa.KernelConfig(16, 64, 4, 2, prefetch_block_ids=True),
+                    pa.KernelConfig(16, 64, 4, 3, prefetch_block_ids=True),
+                    pa.KernelConfig(16, 64, 4, 4, prefetch_block_ids=True)):
             fns = [lambda s=s, o=o, c=cfg: launch(s, o, c, auto) for s, o in zip(sets, outs)]
-            row(f"triton tile_n={cfg.tile_n} warps={cfg.num_warps} stages={cfg.num_stages} cuda-graph", bench(fns, graph=True))
+            row(f"triton {cfg_name(cfg)} cuda-graph", bench(fns, graph=True))
     if not sdpa:
         del sets
         return
@@ -276,29 +277,30 @@ def launch(b, out, cfg, splits):
                         b["query_start_loc"], out, D ** -0.5, None, None, splits, [pa.QueryBand(cfg, 1, pa.INT32_MAX)])
 
 
-# Prefill candidates (block_m, tile_n, num_warps, num_stages, rescale_threshold, reverse_tiles); the first
-# is the default of 2026-11-29. Register use read from sm_90 SASS compiled on CPU (triton 3.9; the GPU has
-# 3.6): 128x32/4 warps 255 regs (a few spills at >= 3 stages); 256x32/8 warps 248-250, no spills;
-# 128x64/8 warps 200-206; 128x64/4 warps spills ~90 (not swept). Lazy rescaling (8.0) removes a
-# 128-FMUL-per-thread block (~23% of the loop's instructions) from most iterations.
+# Prefill candidates of round 2 (8 x 2048 causal, block_size 16), timed beside the default of 2026-11-29
+# (128 x 32 tiles, 4 warps, 4 stages; the "triton (default)" row). Read from sm_90 TTGIR/SASS compiled on CPU
+# (triton 3.9, ptxas 12.8): the default's K/V addresses depend on a block-table load of the same iteration,
+# so the pipeliner keeps 2 K/V buffers and waits for every copy at each tile (async_wait num=0) whatever
+# num_stages says; with the block ids prefetched one tile ahead it keeps num_stages buffers (wait num =
+# num_stages - 1). Registers: 128x32/4w 251-254 (no spills at 2-4 stages); 128x64/8w 190 (2 stages) - 210
+# (3); 128x128/8w 2 stages 250; 128x64/4w spills (not swept). fma_scores: 32 of the loop's FMUL+FADD pairs
+# become FFMA.
+PF = dict(prefetch_block_ids=True)
 PREFILL_CANDIDATES = [
-    (128, 32, 4, 4, 0.0, False),
-    (128, 32, 4, 4, 0.0, True),
-    (128, 32, 4, 4, 8.0, False),
-    (128, 32, 4, 4, 8.0, True),
-    (128, 32, 4, 3, 8.0, True),
-    (256, 32, 8, 4, 8.0, True),
-    (256, 32, 8, 3, 8.0, True),
-    (256, 32, 8, 2, 8.0, True),
-    (128, 64, 8, 3, 8.0, True),
-    (128, 64, 8, 4, 8.0, True),
-    (128, 128, 8, 3, 8.0, True),
+    pa.KernelConfig(128, 32, 4, 2, **PF),
+    pa.KernelConfig(128, 32, 4, 3, **PF),
+    pa.KernelConfig(128, 32, 4, 4, **PF),
+    pa.KernelConfig(128, 32, 4, 3, **PF, fma_scores=True),
+    pa.KernelConfig(128, 32, 4, 4, **PF, fma_scores=True),
+    pa.KernelConfig(128, 64, 8, 2, **PF, fma_scores=True),
+    pa.KernelConfig(128, 64, 8, 3, **PF, fma_scores=True),
+    pa.KernelConfig(128, 128, 8, 2, **PF, fma_scores=True),
 ]
 
 
 def cfg_name(c):
     return (f"block_m={c.block_m} tile_n={c.tile_n} w={c.num_warps} s={c.num_stages}"
-            + (f" lazy={c.rescale_threshold:g}" if c.rescale_threshold else "") + (" rev" if c.reverse_tiles else ""))
+            + (" prefetch" if c.prefetch_block_ids else "") + (" fma" if c.fma_scores else ""))
 
 
 def prefill_sets(n, L, block_size):
@@ -320,8 +322,8 @@ def time_prefill(ceil, rows, checks, *, defaults=True, candidates=(), block_size
                  block_size=block_size)
         if cfg is not None:
             r["config"] = dict(block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages, rescale_threshold=cfg.rescale_threshold,
-                               reverse_tiles=cfg.reverse_tiles)
+                               num_stages=cfg.num_stages, prefetch_block_ids=cfg.prefetch_block_ids,
+                               fma_scores=cfg.fma_scores)
         rows.append(r)
 
     b0 = sets[0]
@@ -341,7 +343,7 @@ def time_prefill(ceil, rows, checks, *, defaults=True, candidates=(), block_size
         if checked("default", lambda b, o: call(b, out=o)):
             row("triton (default)", bench([lambda s=s, o=o: call(s, out=o) for s, o in zip(sets, outs)]))
     for c in candidates:
-        cfg = c if isinstance(c, pa.KernelConfig) else pa.KernelConfig(*c)
+        cfg = c
         try:
             if not checked(cfg_name(cfg), lambda b, o, c=cfg: launch(b, o, c, 1)):
                 continue
@@ -400,12 +402,12 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true", help="split-count and decode tile sweeps")
     ap.add_argument("--block-size-sweep", action="store_true", help="prefill and decode at block_size 32/64/128")
     ap.add_argument("--prefill-sweep", action="store_true",
-                    help="only the prefill question: --skip-grid --skip-defaults --block-size-sweep")
+                    help="only the prefill candidates beside the default and SDPA: --skip-grid --skip-defaults")
     ap.add_argument("--skip-sweeps", action="store_true", help="defaults only (no prefill or decode sweep)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip the remaining sections past this wall time")
     args = ap.parse_args()
     if args.prefill_sweep:
-        args.skip_grid = args.skip_defaults = args.block_size_sweep = True
+        args.skip_grid = args.skip_defaults = True
     if args.skip_sweeps:
         args.skip_prefill_sweep, args.decode_sweep = True, False
     t0 = time.time()

@@ -50,21 +50,19 @@ class KernelConfig:
     ``block_m`` rows per program = ``block_q`` query rows x ``G`` query heads of one KV head (rows
     past ``block_q * G`` are masked); ``tile_n`` keys per KV tile (any size: keys are gathered one
     by one through the block table, so a tile may span several blocks or part of one).
-    ``rescale_threshold`` > 0 turns on lazy rescaling of the output accumulator on unmasked tiles
-    (in log2 units: the running max is moved only when some row's max grew by more than this;
-    8.0 = a factor 256, FlashAttention-4's choice); 0 rescales on every tile.
-    ``reverse_tiles`` starts the programs of the last query tiles (in causal prefill, the heaviest) first.
+    ``prefetch_block_ids`` loads the next KV tile's block ids one iteration ahead, which lets Triton's
+    pipeliner keep ``num_stages`` K/V buffers in flight (without it: 2 buffers and a wait for every copy
+    at each tile; see ``unified_attention._attend_tiles``). ``fma_scores`` applies the softmax scale
+    inside the exponent (one FFMA per score). Both are candidates of the H200 sweep (``bench_kernels.py
+    --prefill-sweep``), off until it decides.
     """
 
     block_m: int
     tile_n: int
     num_warps: int
     num_stages: int
-    rescale_threshold: float = 0.0
-    reverse_tiles: bool = False
-
-    def __post_init__(self):
-        assert self.rescale_threshold >= 0, f"rescale_threshold {self.rescale_threshold} < 0"
+    prefetch_block_ids: bool = False
+    fma_scores: bool = False
 
 
 def pick_config(max_query_len: int, num_queries_per_kv: int, head_dim: int, dtype: torch.dtype) -> KernelConfig:
@@ -245,7 +243,7 @@ def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
             # NOTE: Triton 3.9's interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those
             # bits; on CPU (interpreter only) bf16 operands are widened to fp32 before each dot.
             UPCAST_DOT=query.device.type != "cuda" and query.dtype == torch.bfloat16,
-            RESCALE_THRESHOLD=float(cfg.rescale_threshold), REVERSE_TILES=cfg.reverse_tiles,
+            PREFETCH_BLOCK_IDS=cfg.prefetch_block_ids, FMA_SCORES=cfg.fma_scores,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if split:

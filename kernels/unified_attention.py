@@ -59,6 +59,14 @@ def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _load_block_ids(block_table_ptr, tile, seq_len, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """``[TILE_N]`` int32 block id of each key of KV tile ``tile`` (0 for keys at or past ``seq_len``,
+    so a tile past the sequence's end reads no block-table entry beyond its ``cdiv(seq_len, BLOCK_SIZE)``)."""
+    offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+    return tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=0)
+
+
+@triton.jit
 def _attend_tiles(
     acc, m_i, l_i,  # [BLOCK_M, D_PAD] fp32, [BLOCK_M] fp32 (log2 units), [BLOCK_M] fp32
     q,  # [BLOCK_M, D_PAD], the cache's dtype
@@ -71,34 +79,44 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    RESCALE_THRESHOLD: tl.constexpr,  # > 0: lazy rescaling (log2 units); only with MASKED=False
+    PREFETCH_BLOCK_IDS: tl.constexpr,  # load tile t+1's block ids in iteration t (see below)
+    FMA_SCORES: tl.constexpr,  # scale scores inside the exponent (one FFMA per score; see below)
 ):
     """Online-softmax update of ``(acc, m_i, l_i)`` over KV tiles ``[tile_lo, tile_hi)``.
 
     ``MASKED=False`` is only for tiles every row may see in full (keys below all rows' positions and
     inside all rows' windows): it skips the mask and the guard for rows with no visible key.
 
-    ``RESCALE_THRESHOLD > 0`` (lazy rescaling, FlashAttention-4's trick; Zadouri et al., 2025): the
-    running max ``m_i`` and the ``acc``/``l_i`` rescale by ``2^(m_old - m_new)`` are updated only when
-    some row's max grew by more than the threshold; otherwise ``m_i`` stays (a stale max lets
-    ``p = 2^(s - m_i)`` reach ``2^RESCALE_THRESHOLD``, harmless in fp32 and in a bf16/fp16 ``p``)
-    and the ``[BLOCK_M, D_PAD]`` multiply of ``acc`` is skipped. ``acc``, ``l_i`` stay relative to
-    ``m_i`` either way, so the result is the same up to rounding. Needs ``MASKED=False`` (every row
-    has a finite max, so ``m_new - m_i`` is never ``-inf - -inf``).
+    ``PREFETCH_BLOCK_IDS``: the block ids of the next tile are loaded one iteration ahead and carried
+    in registers. NOTE: when the K/V addresses depend on a block-table load of the same iteration,
+    Triton's software pipeliner (3.6-3.9) turns that load into an async copy too and then waits for
+    *all* copies (``async_wait num=0``) at the top of every iteration with 2 K/V buffers, so the next
+    tile's K/V loads are only in flight during the PV product. With the ids loop-carried it keeps
+    ``num_stages`` buffers and waits for the oldest copy only (``num = num_stages - 1``), as for a
+    contiguous KV range (read from the sm_90 TTGIR compiled on CPU).
+
+    ``FMA_SCORES`` (no softcap): ``scale * LOG2E`` is applied to the row max and inside the exponent,
+    ``p = 2^(s * c - m)`` as the Triton tutorial does, instead of to every score before the max.
     """
-    tl.static_assert(not (MASKED and RESCALE_THRESHOLD > 0))
     offs_n0 = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d[None, :] < HEAD_DIM  # [1, D_PAD]
+    if PREFETCH_BLOCK_IDS:
+        blk_next = _load_block_ids(block_table_ptr, tile_lo, seq_len, BLOCK_SIZE, TILE_N)
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + offs_n0  # [TILE_N] key positions
         if MASKED:
             in_seq = offs_n < seq_len
-            blk = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_seq, other=0)
             kv_mask = in_seq[:, None] & d_mask
         else:
-            blk = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
             kv_mask = d_mask
+        if PREFETCH_BLOCK_IDS:
+            blk = blk_next
+            blk_next = _load_block_ids(block_table_ptr, tile + 1, seq_len, BLOCK_SIZE, TILE_N)
+        elif MASKED:
+            blk = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_seq, other=0)
+        else:
+            blk = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
         # [TILE_N, 1] element offset of each key's row for this head
         row = (blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs)[:, None]
         if MASKED or HEAD_DIM != D_PAD:
@@ -112,35 +130,33 @@ def _attend_tiles(
             # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): finite at both ends
             s = s * scale / softcap
             s = softcap * (1.0 - 2.0 / (tl.math.exp2(s * (2.0 * LOG2E)) + 1.0)) * LOG2E
-        else:
+        elif not FMA_SCORES:
             s = s * (scale * LOG2E)
         if MASKED:
             visible = (offs_n[None, :] <= q_pos[:, None]) & in_seq[None, :]
             if USE_WINDOW:
                 visible = visible & ((q_pos[:, None] - offs_n[None, :]) < sliding_window)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if RESCALE_THRESHOLD > 0:
-            # one block-wide decision (a branch per row cannot skip a tensor-wide multiply)
-            if tl.max(m_new - m_i, 0) > RESCALE_THRESHOLD:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.math.exp2(s - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
+        if FMA_SCORES and not USE_SOFTCAP:
+            # raw scores: max(s) * c == max(s * c) for c = scale * LOG2E > 0, so the row max is scaled
+            # ([BLOCK_M] multiplies) and p = 2^(s * c - m) is one FFMA per score instead of FMUL + FADD
+            m_new = tl.maximum(m_i, tl.max(s, 1) * (scale * LOG2E))
         else:
-            if MASKED:
-                # a row with no visible key so far keeps m = -inf (the merge of splits relies on it);
-                # subtract 0 there instead of computing -inf - -inf = nan
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_sub = m_new
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # a row with no visible key so far keeps m = -inf (the merge of splits relies on it);
+            # subtract 0 there instead of computing -inf - -inf = nan
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        if FMA_SCORES and not USE_SOFTCAP:
+            p = tl.math.exp2(s * (scale * LOG2E) - m_sub[:, None])
+        else:
             p = tl.math.exp2(s - m_sub[:, None])
-            alpha = tl.math.exp2(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
         if MASKED or HEAD_DIM != D_PAD:
             v = tl.load(v_head_ptr + row + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
@@ -172,26 +188,18 @@ def _unified_attention_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # dot in fp32: the interpreter's bf16 tl.dot is wrong (see paged_attention)
-    RESCALE_THRESHOLD: tl.constexpr,  # > 0: lazy rescaling on the unmasked tiles (see _attend_tiles)
-    REVERSE_TILES: tl.constexpr,  # program i takes query tile num_programs(0) - 1 - i (heavy tiles first)
+    PREFETCH_BLOCK_IDS: tl.constexpr,  # block ids one KV tile ahead (see _attend_tiles)
+    FMA_SCORES: tl.constexpr,  # scores scaled inside the exponent (see _attend_tiles)
 ):
     """One (query tile, KV head, KV split) per program; grid ``(num_q_tiles, num_kv_heads, num_splits)``.
 
     ``num_splits`` is a runtime int (a new split count must not recompile); ``SPLIT`` = num_splits > 1.
     Only sequences with ``min_q_len <= q_len <= max_q_len`` are computed (the wrapper gives decode-sized
     and prefill-sized sequences of one batch to two launches with different tile shapes).
-
-    ``REVERSE_TILES``: the hardware starts programs in order of ``program_id(0)`` (fastest axis); in
-    causal prefill a sequence's last query tiles see the most keys, so reversing the order starts the
-    heaviest tiles first and leaves the light ones for the tail of the launch (longest-processing-time
-    first, as FlashAttention-3 schedules causal tiles).
     """
     tl.static_assert(BLOCK_Q * NUM_QUERIES_PER_KV <= BLOCK_M)
     G: tl.constexpr = NUM_QUERIES_PER_KV
-    if REVERSE_TILES:
-        q_tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        q_tile_id = tl.program_id(0)
+    q_tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if ONE_TILE_PER_SEQ:
@@ -252,15 +260,15 @@ def _unified_attention_kernel(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_ptr, tile_lo, free_lo, seq_len, scale, softcap,
         sliding_window, stride_cb, stride_cs, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, UPCAST_DOT, 0.0)
+        DOT_PRECISION, UPCAST_DOT, PREFETCH_BLOCK_IDS, FMA_SCORES)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_ptr, free_lo, free_hi, seq_len, scale, softcap,
         sliding_window, stride_cb, stride_cs, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, False, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, UPCAST_DOT, RESCALE_THRESHOLD)
+        DOT_PRECISION, UPCAST_DOT, PREFETCH_BLOCK_IDS, FMA_SCORES)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_ptr, free_hi, tile_hi, seq_len, scale, softcap,
         sliding_window, stride_cb, stride_cs, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, UPCAST_DOT, 0.0)
+        DOT_PRECISION, UPCAST_DOT, PREFETCH_BLOCK_IDS, FMA_SCORES)
 
     if SPLIT:
         # [BLOCK_M] index of (token, head) in the partial buffers

@@ -106,30 +106,25 @@ def test_matches_reference(case):
     assert err < REL_TOL[dtype], f"seed {seed}: relative error {err:.2e}"
 
 
-# Prefill-tile options the GPU sweep chooses between (bench_kernels.py): lazy rescaling, heavy tiles first.
-# Keys 40..47 are scaled up so a later unmasked tile raises rows' max by more than the threshold (the
-# rescale branch); the other tiles leave it below (the skip branch). Skipping a rescale is exact up to
-# overflow of p = 2^(s - stale max), so the fp16 case is the one that catches a missing rescale.
+# Kernel options the GPU sweep chooses between (bench_kernels.py --prefill-sweep): block ids prefetched
+# one KV tile ahead, softmax scale inside the exponent. (block_size, tile_n) covers a tile spanning two
+# blocks, one block, and part of one; the prefetch of the tile past the last one must not read
+# block-table entries past the sequence's blocks (BAD_BLOCK there).
 TILE_OPTIONS = [
-    (KernelConfig(64, 16, 4, 2, rescale_threshold=8.0, reverse_tiles=True), torch.float32, None, None),
-    (KernelConfig(32, 32, 4, 2, rescale_threshold=2.0), torch.bfloat16, None, None),
-    # fp16 p overflows (> 65504) if a jump of the max by more than 16 is not rescaled
-    (KernelConfig(64, 16, 4, 2, rescale_threshold=8.0), torch.float16, None, None),
-    (KernelConfig(32, 16, 4, 2, rescale_threshold=8.0, reverse_tiles=True), torch.float32, 24, 10.0),
+    (KernelConfig(64, 32, 4, 2, prefetch_block_ids=True), 16, torch.float32, None, None),
+    (KernelConfig(32, 16, 4, 3, prefetch_block_ids=True, fma_scores=True), 32, torch.bfloat16, None, None),
+    (KernelConfig(64, 16, 4, 2, fma_scores=True), 16, torch.float16, None, None),
+    (KernelConfig(32, 16, 4, 2, prefetch_block_ids=True, fma_scores=True), 16, torch.float32, 24, 10.0),
 ]
 
 
-@pytest.mark.parametrize("cfg, dtype, window, softcap", TILE_OPTIONS, ids=[f"opt{i}" for i in range(len(TILE_OPTIONS))])
-def test_prefill_tile_options(cfg, dtype, window, softcap):
+@pytest.mark.parametrize("cfg, block_size, dtype, window, softcap", TILE_OPTIONS,
+                         ids=[f"opt{i}" for i in range(len(TILE_OPTIONS))])
+def test_prefill_tile_options(cfg, block_size, dtype, window, softcap):
     seed = random.randrange(1 << 31)
     q_lens, seq_lens = [70, 1, 20], [70, 33, 90]
-    args, ref_tables = make_batch(q_lens, seq_lens, 4, 2, 64, 16, dtype, seed)
+    args, ref_tables = make_batch(q_lens, seq_lens, 4, 2, 64, block_size, dtype, seed)
     query, key_cache, value_cache, block_tables, seq_lens_t, qsl = args
-    flat = key_cache.view(-1, *key_cache.shape[2:])  # [num_blocks * block_size, Hkv, D]: slot rows
-    for s, n in enumerate(seq_lens):  # scale positions 40..47 of each sequence
-        for pos in range(40, min(48, n)):
-            slot = int(block_tables[s, pos // 16]) * 16 + pos % 16
-            flat[slot] *= 6
     pa = importlib.import_module("paged_transformers.kernels.paged_attention")
     out = torch.full_like(query, float("nan"))
     pa.launch_attention(query, key_cache, value_cache, block_tables, seq_lens_t, qsl, out, 0.125, window, softcap, 1,
