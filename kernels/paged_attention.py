@@ -53,8 +53,8 @@ class KernelConfig:
     ``prefetch_block_ids`` loads the next KV tile's block ids one iteration ahead, which lets Triton's
     pipeliner keep ``num_stages`` K/V buffers in flight (without it: 2 buffers and a wait for every copy
     at each tile; see ``unified_attention._attend_tiles``). ``fma_scores`` applies the softmax scale
-    inside the exponent (one FFMA per score). Both are candidates of the H200 sweep (``bench_kernels.py
-    --prefill-sweep``), off until it decides.
+    inside the exponent (one FFMA per score). The H200 sweep (``bench_kernels.py --prefill-sweep``) chose
+    both for the prefill tiles of ``pick_config``.
     """
 
     block_m: int
@@ -72,8 +72,9 @@ def pick_config(max_query_len: int, num_queries_per_kv: int, head_dim: int, dtyp
     128 rows (64 for head_dim > 128 or fp32, to stay within registers and shared memory).
 
     NOTE: fp16/bf16 with head_dim <= 128 use the best configs of the H200 sweep of 2026-11-29
-    (``bench_kernels.py``; BENCHMARKS.md, "Config sweep"): 128-row prefill tiles with 32-key tiles, 4 warps,
-    4 stages (0.870 ms against 0.992 ms for 64 keys / 8 warps / 3 stages on 8 x 2048 causal); smaller
+    (``bench_kernels.py``; BENCHMARKS.md, "Config sweep" and "Prefill round 2"): 128-row prefill tiles with
+    32-key tiles, 4 warps, 3 stages, block ids prefetched a tile ahead and the scale inside the exponent
+    (0.788 ms on 8 x 2048 causal, against 0.864 ms for 4 stages without the two options); smaller
     tiles with 64-key tiles, 4 warps, 2 stages (decode B=64 x 4096: 98.3% of copy bandwidth against
     90.7% with 3 stages; B=1 x 32k: 74.7% against 60.9%). Rows of 32 and 64 were not swept.
     """
@@ -85,7 +86,8 @@ def pick_config(max_query_len: int, num_queries_per_kv: int, head_dim: int, dtyp
     if wide:
         return KernelConfig(block_m=block_m, tile_n=32, num_warps=4, num_stages=2)
     if block_m >= 128:
-        return KernelConfig(block_m=block_m, tile_n=32, num_warps=4, num_stages=4)
+        return KernelConfig(block_m=block_m, tile_n=32, num_warps=4, num_stages=3, prefetch_block_ids=True,
+                            fma_scores=True)
     return KernelConfig(block_m=block_m, tile_n=64, num_warps=4, num_stages=2)
 
 
