@@ -72,7 +72,7 @@ def pick_config(max_query_len: int, num_queries_per_kv: int, head_dim: int, dtyp
     128 rows (64 for head_dim > 128 or fp32, to stay within registers and shared memory).
 
     NOTE: fp16/bf16 with head_dim <= 128 use the best configs of the H200 sweep of 2026-11-29
-    (``bench_kernels.py``; BENCHMARKS.md, "Config sweep" and "Prefill round 2"): 128-row prefill tiles with
+    (``bench_kernels.py``; BENCHMARKS.md, "Config sweep" and "Second session"): 128-row prefill tiles with
     32-key tiles, 4 warps, 3 stages, block ids prefetched a tile ahead and the scale inside the exponent
     (0.788 ms on 8 x 2048 causal, against 0.864 ms for 4 stages without the two options); smaller
     tiles with 64-key tiles, 4 warps, 2 stages (decode B=64 x 4096: 98.3% of copy bandwidth against

@@ -162,6 +162,21 @@ def random_prompts(num: int, min_len: int, max_len: int, seed: int = 0, low: int
     return [torch.randint(low, VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
 
 
+def engine_greedy(engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Run ``prompts`` to completion on an open ``LLMEngine`` (greedy, ``max_tokens`` each); the new
+    tokens of each prompt, in prompt order."""
+    from paged_transformers import SamplingParams
+
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n))
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    return [got[str(i)] for i in range(len(prompts))]
+
+
 def assert_pool_whole(engine) -> None:
     """Every block of the engine's pool is free again and no block table is left."""
     bm = engine.cache.block_manager

@@ -8,8 +8,8 @@ the engine's default (with CUDA graphs) and runs through every GPU test.
 
 import torch
 
-from conftest import random_prompts, stock_greedy
-from paged_transformers import EngineConfig, LLMEngine, SamplingParams
+from conftest import engine_greedy, random_prompts, stock_greedy
+from paged_transformers import EngineConfig, LLMEngine
 from paged_transformers.compile import decoder_layers
 
 
@@ -27,14 +27,8 @@ def test_compiled_layers_match_stock_generate(tiny_model):
         assert engine.runner.compile_error is None
         assert engine.runner.compiled_layers == layers
         assert all("forward" in vars(layer) for layer in layers)
-        for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n))
-        got = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = out.outputs[0].token_ids
-    assert [got[str(i)] for i in range(len(prompts))] == refs
+        got = engine_greedy(engine, prompts, max_tokens)
+    assert got == refs
     # the layers ran through Dynamo (not silently eager), and are eager again after close
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
     assert not any("forward" in vars(layer) for layer in layers)

@@ -296,7 +296,7 @@ def test_build_random_quantized_model_equals_dequantized_plain_model(method, bit
 def test_compiled_layers_with_quant_linear_match_stock_generate():
     # EngineConfig(compile_layers=True) on CPU: QuantLinear's reference path is traced into the layer graphs
     # (its weight cache would break them); greedy tokens must equal stock generate() of the same model, eager
-    from conftest import stock_greedy
+    from conftest import engine_greedy, stock_greedy
     from transformers import LlamaConfig
 
     from paged_transformers import EngineConfig, LLMEngine
@@ -311,14 +311,8 @@ def test_compiled_layers_with_quant_linear_match_stock_generate():
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
     with LLMEngine(model, engine_config=config) as engine:
         assert engine.runner.compile_error is None
-        for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n))
-        got = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = out.outputs[0].token_ids
-    assert [got[str(i)] for i in range(len(prompts))] == refs
+        got = engine_greedy(engine, prompts, max_tokens)
+    assert got == refs
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the layers ran through Dynamo
 
 
