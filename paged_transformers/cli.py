@@ -32,8 +32,15 @@ def _engine_config(args) -> EngineConfig:
 
 
 def load(model_id: str | None, dtype: str, device: str):
-    """Load a model and tokenizer: a path or hub id, or the embedded default model when None."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a model and tokenizer: a path or hub id, or the embedded default model when None. GPTQ and AWQ
+    checkpoints load natively (``load_model``), with no quantization library.
+
+    Raises:
+        ValueError: a missing model folder, or a checkpoint without a usable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    from .quantization import load_model
 
     if model_id is None:
         from .default_model import default_model_path
@@ -44,8 +51,11 @@ def load(model_id: str | None, dtype: str, device: str):
     torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     if torch_dtype is None:
         torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(model_id)
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch_dtype).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model_id}: no usable tokenizer in it ({' '.join(str(e).split())})") from e
+    model = load_model(model_id, dtype=torch_dtype, device=device)
     return model, tokenizer
 
 
@@ -120,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     # NOTE: user mistakes (bad values, a missing model path or prompts file, an unknown device, Triton on CPU
-    # without the interpreter) end as one line, not a traceback.
-    except (ValueError, NotImplementedError, OSError, RuntimeError) as e:
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    # without the interpreter, a missing optional package) end as one line, not a traceback.
+    except (ValueError, NotImplementedError, OSError, RuntimeError, ImportError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__  # the whole message, on one line
         print(f"error: {message}", file=sys.stderr)
         return 2
 

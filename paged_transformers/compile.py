@@ -35,18 +35,27 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def compile_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def compile_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
     """Replace each decoder layer's ``forward`` by its ``torch.compile``d version (lazy: Dynamo traces on
-    the first call). Returns the layers changed, for ``uncompile_layers``; an empty list when the model has
-    no ``GradientCheckpointingLayer`` (nothing is changed then)."""
-    layers = decoder_layers(model)
-    for layer in layers:
+    the first call). A ``forward`` already set on the instance (accelerate's device-map / offload hooks, a
+    user's wrapper) is what gets compiled, and is put back by ``uncompile_layers``.
+
+    Returns:
+        ``(layer, previous instance forward or None)`` per layer changed, for ``uncompile_layers``; empty
+        when the model has no ``GradientCheckpointingLayer`` (nothing is changed then).
+    """
+    changed = []
+    for layer in decoder_layers(model):
+        changed.append((layer, vars(layer).get("forward")))
         layer.forward = torch.compile(layer.forward, dynamic=True, options=INDUCTOR_OPTIONS)
-    return layers
+    return changed
 
 
-def uncompile_layers(layers: list[torch.nn.Module]) -> None:
-    """Give ``layers`` their class's ``forward`` back (undoes ``compile_layers``)."""
-    for layer in layers:
-        if "forward" in vars(layer):
+def uncompile_layers(changed: list[tuple[torch.nn.Module, object]]) -> None:
+    """Undo ``compile_layers``: each layer gets back the ``forward`` it had before (its class's, or the
+    instance attribute that was there)."""
+    for layer, previous in changed:
+        if previous is not None:
+            layer.forward = previous
+        elif "forward" in vars(layer):
             del layer.forward

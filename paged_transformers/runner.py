@@ -149,7 +149,7 @@ class ModelRunner:
         self.graph_capture_error: str | None = None
         self.record_steps = False
         self.steps: list[StepTrace] = []
-        self.compiled_layers: list[torch.nn.Module] = []
+        self.compiled_layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its previous forward)
         self.compile_error: str | None = None
         if compile_layers if compile_layers is not None else self.graphs_enabled:
             self._compile()
@@ -280,15 +280,16 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile(self) -> None:
         """Compile the decoder layers now: one-token and two-token dummy forwards trace both graphs."""
-        from .compile import compile_layers, uncompile_layers
+        from .compile import compile_layers
 
         self.compiled_layers = compile_layers(self.model)
         try:
             for n in (1, min(2, self.max_num_seqs)):
                 self._forward(*self._dummy_step(n))
-        except Exception as e:  # an op Dynamo or Inductor cannot handle: stay eager
-            uncompile_layers(self.compiled_layers)
-            self.compiled_layers = []
+        except BaseException as e:  # an op Dynamo or Inductor cannot handle: stay eager; an interrupt: re-raise
+            self.uncompile()
+            if not isinstance(e, Exception):
+                raise
             self.compile_error = f"{type(e).__name__}: {e}"
             logger.warning("torch.compile of the decoder layers failed, they run eagerly: %s", self.compile_error)
 

@@ -1,9 +1,15 @@
 """The ``paged-transformers generate`` command: the embedded default model end to end, and user mistakes
 ending as one ``error:`` line with exit status 2 (no traceback)."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from paged_transformers.cli import main
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "models"
+needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"fixtures folder {FIXTURES} is missing")
 
 
 def test_generate_default_model_mentions_paris(smollm2, capsys):
@@ -22,8 +28,10 @@ def test_generate_default_model_mentions_paris(smollm2, capsys):
         (["generate", "--prompts-file", "/nonexistent/prompts.txt"], "No such file"),
         (["generate", "--device", "nodevice", "hi"], "nodevice"),
         (["generate", "--max-tokens", "0", "--model", ".", "hi"], None),  # '.' has no config.json: an OSError
+        (["bench", "--model", "tiny-llama", "--device", "cpu", "--num-requests", "0"],
+         "num_requests must be a positive integer, got 0"),
     ],
-    ids=["model-path", "prompts-file", "device", "model-folder-without-config"],
+    ids=["model-path", "prompts-file", "device", "model-folder-without-config", "bench-no-requests"],
 )
 def test_user_mistakes_end_as_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -38,3 +46,31 @@ def test_empty_prompts_file(tmp_path, capsys):
     path.write_text("\n   \n")
     assert main(["generate", "--prompts-file", str(path)]) == 2
     assert "no prompts" in capsys.readouterr().err
+
+
+@needs_fixtures
+def test_generate_loads_a_gptq_checkpoint_natively(capsys):
+    """The CLI reads GPTQ checkpoints itself (no optimum / gptqmodel): the fixture's SmolLM2 GPTQ model
+    completes the fixtures' France prompt with Paris, as its golden output does."""
+    status = main(["generate", "--model", str(FIXTURES / "smollm2-135m-instruct-gptq-4bit-g64"), "--device", "cpu",
+                   "--max-tokens", "6", "The capital of France is"])
+    assert status == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+@needs_fixtures
+def test_bench_loads_an_awq_checkpoint_natively(tmp_path):
+    out = tmp_path / "bench.json"
+    status = main(["bench", "--model", str(FIXTURES / "tiny-llama-awq-4bit-g64-gemm"), "--device", "cpu",
+                   "--dtype", "float32", "--num-requests", "2", "--input-len-range", "4", "8",
+                   "--output-len-range", "2", "3", "--attention-backend", "torch", "--output-json", str(out)])
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert report["engines"]["paged"]["num_requests"] == 2 and "error" not in report["engines"]["paged"]
+
+
+@needs_fixtures
+def test_checkpoint_without_tokenizer_is_one_whole_line(capsys):
+    assert main(["generate", "--model", str(FIXTURES / "tiny-llama-fp16"), "--device", "cpu", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no usable tokenizer" in err[0], err

@@ -6,6 +6,7 @@ C++ kernels (tens of seconds), so this runs one tiny model with a few prompts; o
 the engine's default (with CUDA graphs) and runs through every GPU test.
 """
 
+import pytest
 import torch
 
 from conftest import engine_greedy, random_prompts, stock_greedy
@@ -25,7 +26,7 @@ def test_compiled_layers_match_stock_generate(tiny_model):
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=128, max_num_seqs=4)
     with LLMEngine(model, engine_config=config) as engine:
         assert engine.runner.compile_error is None
-        assert engine.runner.compiled_layers == layers
+        assert [layer for layer, _ in engine.runner.compiled_layers] == layers
         assert all("forward" in vars(layer) for layer in layers)
         got = engine_greedy(engine, prompts, max_tokens)
     assert got == refs
@@ -35,8 +36,45 @@ def test_compiled_layers_match_stock_generate(tiny_model):
     assert model.config._attn_implementation != "paged_transformers"
 
 
-def test_compile_layers_validated():
-    import pytest
+def test_close_restores_a_forward_set_on_the_instance(tiny_model):
+    """A ``forward`` already on a layer instance (accelerate's hooks do this) is compiled and put back on close."""
+    model = tiny_model("llama", seed=4)
+    layer = decoder_layers(model)[0]
+    calls = []
 
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = wrapper
+    try:
+        torch._dynamo.reset()
+        config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
+        with LLMEngine(model, engine_config=config) as engine:
+            assert engine.runner.compile_error is None
+            engine_greedy(engine, [[5, 6, 7]], [2])
+        assert vars(layer)["forward"] is wrapper and calls  # the wrapper ran (inside the compiled layer) and is back
+        assert "forward" not in vars(decoder_layers(model)[1])
+    finally:
+        del layer.forward
+
+
+def test_interrupt_while_compiling_leaves_the_layers_eager(tiny_model, monkeypatch):
+    from paged_transformers.runner import ModelRunner
+
+    model = tiny_model("llama", seed=4)
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ModelRunner, "_forward", interrupted)
+    config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
+    with pytest.raises(KeyboardInterrupt):
+        LLMEngine(model, engine_config=config)
+    assert not any("forward" in vars(layer) for layer in decoder_layers(model))
+    assert model.config._attn_implementation != "paged_transformers"
+
+
+def test_compile_layers_validated():
     with pytest.raises(ValueError, match="compile_layers must be a bool or None, got 'yes'"):
         EngineConfig(compile_layers="yes")

@@ -42,9 +42,9 @@ def build_model(name: str, dtype: torch.dtype, device: str, quantization: str | 
     if name not in MODEL_SHAPES:
         if quantization is not None:
             raise ValueError(f"--quantization applies to named shapes {sorted(MODEL_SHAPES)}, not to {name!r}")
-        from transformers import AutoModelForCausalLM
+        from ..quantization import load_model  # GPTQ / AWQ natively, anything else through transformers
 
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+        return load_model(name, dtype=dtype, device=device)
     arch, fields = MODEL_SHAPES[name]
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
@@ -66,8 +66,10 @@ def synthetic_workload(num_requests: int, input_len_range: tuple[int, int], outp
     """``num_requests`` requests, lengths uniform in the inclusive ranges, token ids uniform in ``[0, vocab)``.
 
     Raises:
-        ValueError: an empty or non-positive range.
+        ValueError: ``num_requests`` not positive, or an empty or non-positive range.
     """
+    if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests <= 0:
+        raise ValueError(f"num_requests must be a positive integer, got {num_requests!r}")
     for name, (lo, hi) in (("input_len_range", input_len_range), ("output_len_range", output_len_range)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{name} must satisfy 1 <= low <= high, got {lo, hi}")
