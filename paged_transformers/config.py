@@ -73,6 +73,17 @@ class EngineConfig:
     CPU_DEFAULT_KV_BYTES = 1 << 30
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; ``attention_backend`` is parsed into ``AttentionBackend`` in place.
+
+        Run at construction and again by ``LLMEngine`` (on its own copy), so a field changed after
+        construction (``cfg.block_size = 0``) gets the same ValueError.
+
+        Raises:
+            ValueError: a field of the wrong type or out of range, naming the field and the value.
+        """
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -6,6 +6,7 @@ outputs.
 """
 
 import copy
+import dataclasses
 import operator
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 from .attention import ATTENTION_NAME, install_step_hooks, resolve_backend
 from .cache import PagedCache
 from .config import EngineConfig
+from .generation_config import PerRequest, instantiate_per_request
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .prefix_cache import CacheStats
 from .runner import ModelRunner
@@ -47,7 +49,9 @@ class LLMEngine:
         engine_config: ``EngineConfig``; default ``EngineConfig()``.
 
     Raises:
-        ValueError: the model's attention cannot be replaced (names the model class); ``max_model_len``
+        ValueError: ``engine_config`` not an ``EngineConfig`` or with a bad field (checked again here, so
+            a field changed after construction is caught too); the model's attention cannot be replaced
+            (names the model class); ``max_model_len``
             over the model's ``max_position_embeddings``; a pool too small for one ``max_model_len``
             sequence (with the numbers).
 
@@ -70,7 +74,10 @@ class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, engine_config: EngineConfig | None = None):
         if engine_config is not None and not isinstance(engine_config, EngineConfig):
             raise ValueError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
-        self.config = engine_config if engine_config is not None else EngineConfig()
+        # Our own copy, checked again: a config changed after construction gets the same ValueError,
+        # and one changed while the engine runs does not reach the scheduler.
+        self.config = copy.copy(engine_config) if engine_config is not None else EngineConfig()
+        self.config.validate()
         self.closed = False
         self.model = model
         self.tokenizer = tokenizer
@@ -166,13 +173,19 @@ class LLMEngine:
         ints, a 1-D ``torch.Tensor`` or numpy array, or a list of numpy/torch integer scalars.
 
         Raises:
-            ValueError: a string prompt without a tokenizer, or a prompt of another type.
+            ValueError: a string prompt without a tokenizer, a tensor or array that is not 1-D, or a prompt
+                of another type.
         """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {prompt[:40]!r} is a string but no tokenizer was given; pass tokenizer= or token ids")
             return list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
+            if getattr(prompt, "ndim", None) != 1:
+                raise ValueError(
+                    f"a token-id prompt must be 1-D, got a {type(prompt).__name__} of shape {tuple(prompt.shape)}"
+                    + (" (a batch: pass its rows as separate prompts)" if getattr(prompt, "ndim", 0) == 2 else "")
+                )
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -182,13 +195,18 @@ class LLMEngine:
         """Check a tokenized prompt against the vocabulary and the engine's limits.
 
         Raises:
-            ValueError: empty; an id that is not an int in ``[0, vocab_size)``; ``len >= max_model_len``
+            ValueError: empty; an id that is not an integer (naming its type: float, bool, str, a nested
+                list, ...); an id outside ``[0, vocab_size)``; ``len >= max_model_len``
                 (at least one output token must fit); longer than ``max_num_batched_tokens`` with
                 chunked prefill off.
         """
         if not prompt_token_ids:
             raise ValueError("prompt is empty: it needs at least one token")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        not_ints = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
+        if not_ints:
+            shown = ", ".join(f"{t!r} ({type(t).__name__})" for t in not_ints[:5])
+            raise ValueError(f"prompt token ids must be integers (one flat list of ids), got {shown}")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -208,10 +226,12 @@ class LLMEngine:
         Args:
             request_id: unique among unfinished requests.
             prompt: text (needs the tokenizer) or token ids.
-            sampling_params: default ``SamplingParams()``.
+            sampling_params: default ``SamplingParams()``. The request keeps a copy; ``PerRequest``
+                entries of its ``logits_processors`` are built fresh for each of its sequences.
 
         Raises:
-            ValueError: a ``request_id`` that is not a string or already in use, ``n > max_num_seqs``,
+            ValueError: a ``request_id`` that is not a string or already in use, a ``SamplingParams`` field
+                out of range (``SamplingParams.validate``, run again here), ``n > max_num_seqs``,
                 ``logprobs > vocab_size``, ``stop_token_ids`` outside the vocabulary, ``stop`` strings without a
                 tokenizer, or a bad prompt (``validate_prompt``); nothing is queued or allocated then.
             RuntimeError: the engine is closed, or the model's attention was switched away from ours.
@@ -224,6 +244,11 @@ class LLMEngine:
         sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        # NOTE: the request keeps its own copy (own lists), checked again: a SamplingParams changed after
+        # construction (sp.n = 0, sp.temperature = nan) is refused here instead of failing a step for the
+        # whole batch, and changing it after add_request cannot reach the running request.
+        sampling_params = copy.copy(sampling_params)
+        sampling_params.validate()
         if sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}: the n sequences run together")
         if sampling_params.stop and self.tokenizer is None:
@@ -235,20 +260,27 @@ class LLMEngine:
             raise ValueError(f"logprobs={sampling_params.logprobs} exceeds the vocabulary size {self.vocab_size}")
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
+        per_request = any(isinstance(p, PerRequest) for p in sampling_params.logits_processors)
         seqs = []
         for index in range(sampling_params.n):
             generator = None
             if sampling_params.seed is not None:
                 # NOTE: hash of an int tuple is not salted per process, so the stream is reproducible.
                 generator = torch.Generator(device=self.device).manual_seed(hash((sampling_params.seed, index)) & (2**63 - 1))
-            seqs.append(Sequence(request_id, index, prompt_token_ids, sampling_params, generator))
+            seq_params = sampling_params
+            if per_request:  # each sequence gets its own instances of the PerRequest processors
+                seq_params = dataclasses.replace(
+                    sampling_params, logits_processors=instantiate_per_request(sampling_params.logits_processors)
+                )
+            seqs.append(Sequence(request_id, index, prompt_token_ids, seq_params, generator))
+        # n > 1: only the first sequence computes the prompt; the others fork from it by reference
+        # when its prompt is done (copy-on-write), each sampling its own first token (scheduler.py).
+        seqs[0].pending_forks = seqs[1:]
+        # Registered last, after every check passed: a refused request leaves no trace.
         self.requests[request_id] = _Request(
             request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, sampling_params, seqs,
             RequestMetrics(arrival_time=time.perf_counter()),
         )
-        # n > 1: only the first sequence computes the prompt; the others fork from it by reference
-        # when its prompt is done (copy-on-write), each sampling its own first token (scheduler.py).
-        seqs[0].pending_forks = seqs[1:]
         self.scheduler.add(seqs[0])
 
     def abort_request(self, request_id: str) -> None:

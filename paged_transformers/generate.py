@@ -42,8 +42,8 @@ def paged_generate(
         logits_processor: a ``LogitsProcessorList`` or list of processors applied to every request,
             after each request's own ``SamplingParams.logits_processors``. The same instances serve
             every request, so they must be stateless; wrap a stateful one's factory in
-            ``PerRequest`` (fresh instance per request; when ``sampling_params`` is None) or give
-            instances per request in ``SamplingParams.logits_processors``.
+            ``PerRequest`` (a fresh instance per request, with or without ``sampling_params``) or
+            give instances per request in ``SamplingParams.logits_processors``.
         use_tqdm: show a progress bar (requests finished).
 
     Returns:

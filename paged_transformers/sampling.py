@@ -36,8 +36,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """Sample for ``seqs`` from ``logits [len(seqs), vocab_size]`` float32 (rows in ``seqs`` order).
 
-        A logits processor that raises, or leaves its row no finite logit, fails only its own row: that
-        row's result carries the exception.
+        A logits processor that raises, returns anything but a tensor of its input's shape
+        ``[1, vocab_size]``, or leaves its row no finite logit, fails only its own row: that row's result
+        carries the exception.
         """
         logits = logits[:, : self.vocab_size]
         want_logprobs = [seq.sampling_params.logprobs is not None for seq in seqs]
@@ -112,6 +113,7 @@ class Sampler:
             scores = row.unsqueeze(0)
             for proc in sp.logits_processors:
                 scores = proc(input_ids, scores)
+                _check_scores(scores, row.numel(), proc)
             row = scores[0]
         if seq.num_output_tokens < sp.min_tokens:
             banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
@@ -156,6 +158,18 @@ class Sampler:
             if seq.generator is not None:
                 out[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
         return out
+
+
+def _check_scores(scores, vocab_size: int, proc) -> None:
+    """A processor's return value must be a tensor ``[1, vocab_size]``, as it was given: a 1-D ``[vocab_size]``
+    row would otherwise broadcast into the logits row silently (token 0 every step).
+
+    Raises:
+        ValueError: naming the processor and what it returned.
+    """
+    if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (1, vocab_size):
+        got = f"shape {list(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"logits processor {proc!r} must return scores of shape [1, {vocab_size}] (as given), got {got}")
 
 
 def _needs_processing(seq: Sequence) -> bool:

@@ -20,7 +20,7 @@ class SamplingParams:
         top_p: nucleus sampling mass, in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens whose probability is below ``min_p`` times the top token's, in [0, 1].
-        seed: per-request random seed; a seeded request samples the same tokens whatever else is in
+        seed: per-request random seed (an integer, not a bool); a seeded request samples the same tokens whatever else is in
             the batch (each sequence gets its own ``torch.Generator``).
         max_tokens: most new tokens (>= 1). The sequence also stops at the engine's ``max_model_len``
             (``finish_reason="length"`` in both cases).
@@ -35,6 +35,10 @@ class SamplingParams:
         logits_processors: callables with the transformers ``LogitsProcessor`` signature
             ``(input_ids [1, num_tokens] int64, scores [1, vocab_size] float32) -> scores``, called for
             this request alone with its whole history (prompt + output so far).
+
+    Integer fields accept numpy integers too (stored as ``int``). ``LLMEngine.add_request`` checks the
+    fields again (``validate``) and keeps its own copy, so changing a ``SamplingParams`` later cannot
+    affect a request already added.
 
     Raises:
         ValueError: a field out of range, naming the field and the value.
@@ -67,6 +71,19 @@ class SamplingParams:
     logits_processors: list[Callable[..., Any]] = field(default_factory=list)
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field, normalizing in place: ``stop`` as a string becomes a one-item list, the
+        list fields become lists, integer fields become ``int`` (numpy integers are accepted, ``bool``
+        is not) and float fields ``float``.
+
+        Run at construction and again by ``LLMEngine.add_request`` (on the request's own copy), so a
+        field changed after construction is checked before the request can join a batch.
+
+        Raises:
+            ValueError: a field of the wrong type or out of range, naming the field and the value.
+        """
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids", "logits_processors"):
@@ -74,23 +91,25 @@ class SamplingParams:
             if not isinstance(value, (list, tuple)):
                 raise ValueError(f"{name} must be a list, got {value!r}")
             setattr(self, name, list(value))
-        _check_int("n", self.n, 1)
+        self.n = _check_int("n", self.n, 1)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("min_tokens", self.min_tokens, 0)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} max_tokens={self.max_tokens}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        self.top_k = int(self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not self.repetition_penalty > 0.0:
@@ -99,11 +118,14 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            self.logprobs = _check_int("logprobs", self.logprobs, 0)
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            self.seed = int(self.seed)
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         for proc in self.logits_processors:
@@ -174,6 +196,13 @@ _PROCESSOR_FIELDS = {
 }
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+def _is_int(value) -> bool:
+    """An integer, Python or numpy (``numbers.Integral``), that is not a bool (``True`` is no seed or count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    """``value`` as an ``int``; ValueError naming ``name`` unless it is an integer >= ``minimum``."""
+    if not _is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

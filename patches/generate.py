@@ -311,8 +311,11 @@ def _engine_generate(model, call: _Call, input_ids, stopping_criteria, gc, strea
 
 
 def _stack_steps(recorders: list[ScoreRecorder], num_steps: int, device) -> tuple[torch.Tensor, ...]:
-    """Per step a ``[num_rows, vocab]`` tensor; rows that already finished are NaN."""
-    vocab = next(len(s) for rec in recorders for s in rec.steps[:1])
+    """Per step a ``[num_rows, vocab]`` tensor; rows that already finished are NaN. ``()`` for no step
+    (every row failed at its first token: the caller then raises that error)."""
+    if num_steps == 0:
+        return ()
+    vocab = next(len(s) for rec in recorders for s in rec.steps[:1])  # a row with a token recorded a step
     steps = []
     for t in range(num_steps):
         rows = [rec.steps[t] if t < len(rec.steps) else torch.full((vocab,), float("nan")) for rec in recorders]

@@ -99,10 +99,27 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_capped(llama, engine_spy):
         paged_generate(llama, [list(range(3, 67))], GREEDY, engine_config=CONFIG, use_tqdm=False)
 
 
-@pytest.mark.parametrize("bad_ids", [[5, -1, 6], [5, VOCAB_SIZE], [5, 2.0], [True, 5]], ids=["negative", "vocab", "float", "bool"])
+@pytest.mark.parametrize("bad_ids", [[5, -1, 6], [5, VOCAB_SIZE]], ids=["negative", "vocab"])
 def test_token_ids_outside_the_vocabulary(llama, bad_ids):
-    shown = re.escape(repr(bad_ids[1] if bad_ids[0] == 5 else bad_ids[0]))
-    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", bad_ids, GREEDY), rf"vocabulary.*{shown}")
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", bad_ids, GREEDY), rf"vocabulary.*\[{bad_ids[1]}\]")
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [([5, 2.0], r"integers.*2\.0 \(float\)"), ([True, 5], r"integers.*True \(bool\)"),
+     (["1", "2"], r"integers.*'1' \(str\)"), ([[5, 6]], r"integers.*\[5, 6\] \(list\)"),
+     (torch.tensor([[5, 6]]), r"1-D.*shape \(1, 2\).*separate prompts"), (torch.tensor(5), r"1-D.*Tensor of shape \(\)")],
+    ids=["float", "bool", "str", "nested", "2-D tensor", "0-d tensor"],
+)
+def test_token_ids_of_the_wrong_type_or_shape(llama, prompt, match):
+    """The message names the type or shape, not the vocabulary range (it used to say "outside the vocabulary")."""
+    def bad_call(engine):
+        with pytest.raises(ValueError) as info:
+            engine.add_request("bad", prompt, GREEDY)
+        assert "vocabulary" not in str(info.value)
+        raise info.value
+
+    assert_rejected_mid_run(llama, bad_call, match)
 
 
 def test_numpy_and_tensor_token_ids_are_accepted(llama):
@@ -134,11 +151,54 @@ def test_duplicate_request_id(llama):
      ("top_p", 1.5), ("top_p", -0.1), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1), ("n", 0),
      ("temperature", "0.5"), ("top_p", None), ("max_tokens", 2.0), ("temperature", float("inf")),
      ("repetition_penalty", float("inf")), ("top_k", True), ("ignore_eos", "no"), ("stop", None),
-     ("stop_token_ids", None), ("logits_processors", print)],
+     ("stop_token_ids", None), ("logits_processors", print), ("seed", True), ("seed", 1.5)],
 )
 def test_sampling_params_out_of_range(field, value):
     with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("n", 0), ("temperature", float("nan")), ("repetition_penalty", 0.0), ("max_tokens", 0), ("top_k", -7),
+     ("top_p", 0.0), ("stop_token_ids", [-3]), ("logits_processors", [None]), ("seed", True)],
+)
+def test_sampling_params_changed_after_construction_are_checked_at_add_request(llama, field, value):
+    """``n=0`` used to register a request that never finished (every drain loop hung); NaN temperature or
+    ``repetition_penalty=0`` failed ``step()`` for the whole batch. Now add_request refuses them."""
+    params = SamplingParams(temperature=0.5, max_tokens=4, seed=1)
+    setattr(params, field, value)
+    shown = re.escape(repr(value[0] if field == "logits_processors" else value))
+    assert_rejected_mid_run(llama, lambda e: e.add_request("bad", PROMPTS[0], params), rf"{field}.*{shown}")
+
+
+def test_sampling_params_changed_after_add_request_do_not_reach_it(llama):
+    want = {request_id: stock_greedy(llama, prompt, MAX_TOKENS)[0] for request_id, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1]))}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=[])
+    with LLMEngine(llama, engine_config=CONFIG) as engine:
+        engine.add_request("a", PROMPTS[0], params)
+        engine.add_request("b", PROMPTS[1], GREEDY)
+        engine.step()
+        params.max_tokens, params.temperature = 1, float("nan")
+        params.stop_token_ids.append(want["a"][0])
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+    assert {request_id: out.token_ids for request_id, out in outs.items()} == want
+
+
+def test_numpy_integers_in_sampling_params(llama):
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(n=np.int32(2), temperature=1.0, seed=np.int64(7), max_tokens=np.int64(5), top_k=np.int64(20),
+                            logprobs=np.int64(2), stop_token_ids=[np.int64(VOCAB_SIZE - 1)])
+    for name in ("n", "seed", "max_tokens", "top_k", "logprobs"):
+        assert type(getattr(params, name)) is int
+    assert params.stop_token_ids == [VOCAB_SIZE - 1] and type(params.stop_token_ids[0]) is int
+    plain = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5, top_k=20, logprobs=2, stop_token_ids=[VOCAB_SIZE - 1])
+    outs = paged_generate(llama, [PROMPTS[0]] * 2, [params, plain], use_tqdm=False)
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
+    with pytest.raises(ValueError, match=r"seed.*True"):
+        SamplingParams(seed=np.True_)
 
 
 def test_min_tokens_over_max_tokens():
@@ -235,6 +295,22 @@ def test_engine_config_out_of_range(field, value):
         EngineConfig(**{field: value})
 
 
+@pytest.mark.parametrize("field, value", [("block_size", 0), ("max_num_seqs", -1), ("attention_backend", "cuda")])
+def test_engine_config_changed_after_construction(llama, field, value):
+    """``cfg.block_size = 0`` used to reach the sizing code (ZeroDivisionError); the engine checks again."""
+    config = EngineConfig(max_model_len=64)
+    setattr(config, field, value)
+    before = llama.config._attn_implementation
+    with pytest.raises(ValueError, match=rf"{field}.*{re.escape(repr(value))}"):
+        LLMEngine(llama, engine_config=config)
+    assert llama.config._attn_implementation == before
+    # changing the config while an engine runs does not reach that engine (it keeps its own copy)
+    config = EngineConfig(max_model_len=64, max_num_seqs=4)
+    with LLMEngine(llama, engine_config=config) as engine:
+        config.max_num_seqs = 1
+        assert engine.config.max_num_seqs == 4 and engine.scheduler.config.max_num_seqs == 4
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("fill", [float("-inf"), float("nan")], ids=["all-inf", "nan"])
 def test_logits_processor_leaving_no_finite_logit_fails_only_its_request(llama, fill, temperature, engine_spy):
@@ -246,6 +322,25 @@ def test_logits_processor_leaving_no_finite_logit_fails_only_its_request(llama, 
     outs = paged_generate(llama, PROMPTS, params, use_tqdm=False)
     bad = outs[0].outputs[0]
     assert bad.finish_reason == "abort" and isinstance(bad.error, ValueError) and "no finite logit" in str(bad.error)
+    assert outs[2].outputs[0].token_ids == stock_greedy(llama, PROMPTS[2], MAX_TOKENS)[0]
+    assert len(outs[1].outputs[0].token_ids) == 4
+    assert_pool_whole(engine_spy[0])
+
+
+@pytest.mark.parametrize(
+    "returned, match",
+    [(lambda s: s[0], rf"shape \[1, {VOCAB_SIZE}\].*got shape \[{VOCAB_SIZE}\]"), (lambda s: None, "got NoneType"),
+     (lambda s: s.numpy(), "got ndarray"), (lambda s: torch.cat([s, s]), rf"got shape \[2, {VOCAB_SIZE}\]")],
+    ids=["1-D", "None", "numpy", "two rows"],
+)
+def test_logits_processor_returning_the_wrong_shape_fails_only_its_request(llama, returned, match, engine_spy):
+    """A 1-D ``[vocab]`` return used to broadcast into the row silently (token 0 at every step)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=4, logits_processors=[lambda ids, s: returned(s)])]
+    params += [SamplingParams(temperature=1.0, seed=3, max_tokens=4), GREEDY]
+    outs = paged_generate(llama, PROMPTS, params, use_tqdm=False)
+    bad = outs[0].outputs[0]
+    assert bad.finish_reason == "abort" and bad.token_ids == []
+    assert isinstance(bad.error, ValueError) and re.search(match, str(bad.error)), bad.error
     assert outs[2].outputs[0].token_ids == stock_greedy(llama, PROMPTS[2], MAX_TOKENS)[0]
     assert len(outs[1].outputs[0].token_ids) == 4
     assert_pool_whole(engine_spy[0])

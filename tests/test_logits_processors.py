@@ -89,3 +89,28 @@ def test_stop_strings_match_stock(smollm2):
         stock = model.generate(**ids, max_new_tokens=12, do_sample=False, stop_strings=[","], tokenizer=tokenizer)
         assert out.outputs[0].token_ids == stock[0, ids.input_ids.shape[1]:].tolist()
 
+
+
+def test_per_request_with_explicit_sampling_params(tiny_model):
+    """``PerRequest`` next to explicit ``SamplingParams`` used to give every request one shared instance."""
+    model = tiny_model("llama")
+    made = []
+
+    def factory():
+        made.append(Recorder())
+        return made[-1]
+
+    params = paged_transformers.SamplingParams(temperature=0.0, max_tokens=6)
+    outs = paged_generate(model, PROMPTS, params, logits_processor=[PerRequest(factory)], use_tqdm=False)
+    assert len(made) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, calls = stock_alone(model, prompt)
+        assert out.outputs[0].token_ids == tokens
+        rec = next(r for r in made if r.calls[0][0][0].tolist() == prompt)
+        assert [h.tolist() for h, _ in rec.calls] == [h.tolist() for h, _ in calls]  # its own history only
+    # through the engine directly, n=2: one instance per sequence
+    made.clear()
+    params = paged_transformers.SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=3,
+                                               logits_processors=[PerRequest(factory)])
+    outs = paged_generate(model, PROMPTS[:1], params, use_tqdm=False)
+    assert len(made) == 2 and all(len(r.calls) == 3 for r in made)

@@ -219,6 +219,23 @@ def test_failing_processor_fails_only_its_row(tiny_model):
     assert all(outs[i].outputs[0].error is None and outs[i].outputs[0].finish_reason in ("stop", "length") for i in (0, 2, 3))
 
 
+def test_processor_failing_every_row_with_scores(tiny_model):
+    """With ``output_scores`` it used to raise a bare StopIteration (no row had recorded a score)."""
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS)
+
+    def raiser(input_ids, scores):
+        raise RuntimeError("boom")
+
+    for output_scores in (False, True):
+        with paged_transformers.patch(), pytest.raises(RuntimeError, match="boom") as info:
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, logits_processor=[raiser],
+                           return_dict_in_generate=True, output_scores=output_scores, output_logits=output_scores)
+        assert sorted(info.value.paged_failed_rows) == list(range(len(PROMPTS)))
+        partial = info.value.paged_partial_output
+        assert torch.equal(partial.sequences, ids) and (partial.scores == () if output_scores else partial.scores is None)
+
+
 @pytest.mark.parametrize(
     "option, name",
     [(dict(num_beams=2), "num_beams"), (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
