@@ -14,12 +14,8 @@ eager code does (e.g. the bf16 output of SiLU before the multiply), keeping the 
 eager model up to the order of floating-point reductions.
 """
 
-import logging
-
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
-
-logger = logging.getLogger(__name__)
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
