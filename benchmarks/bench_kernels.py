@@ -84,7 +84,6 @@ def kv_bytes(b):
 
 def contiguous_kv(b):
     """The same K/V as [num_seqs, num_kv_heads, seq_len, head_dim] (all seq_lens equal), for SDPA."""
-    n = b["seq_lens"].shape[0]
     L = int(b["seq_lens"][0])
     k = b["key_cache"][b["block_tables"].long()].flatten(1, 2)[:, :L].transpose(1, 2).contiguous()
     v = b["value_cache"][b["block_tables"].long()].flatten(1, 2)[:, :L].transpose(1, 2).contiguous()
@@ -456,7 +455,7 @@ def main():
     path = os.path.join(args.out, "kernels_h200.json")
     with open(path, "w") as f:
         json.dump(dict(env=env, ceilings=ceil, correctness=checks, timings=timings, wall_s=time.time() - t0), f, indent=1)
-    print(f"\n== correctness (rel. error vs fp32 reference) ==")
+    print("\n== correctness (rel. error vs fp32 reference) ==")
     for c in checks:
         print(f"{'ok ' if c['ok'] else 'BAD'} {c['name']:<80} {c.get('rel_err', float('nan')):.2e} {c.get('error', '')}")
     print(f"\n== timings (median ms) copy {ceil['copy_bw_Bps'] / 1e12:.2f} TB/s, matmul {ceil['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s ==")

@@ -2,7 +2,6 @@
 scores stock ``generate()`` gives it for that prompt alone, and changes the output the same way;
 ``PerRequest`` gives stateful processors one instance per request; stop_strings match stock."""
 
-import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor
 
