@@ -326,13 +326,11 @@ class ModelRunner:
         """
         if not self.graphs_enabled or self.graphs:
             return
-        sizes = sorted(self.graph_sizes, reverse=True)
-        self._dummy_step(sizes[0])
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         try:
-            for size in sizes:
-                args = (size, size, size, 1, self.max_model_len)  # the dummy rows of the largest bucket
+            for size in sorted(self.graph_sizes, reverse=True):
+                args = self._dummy_step(size)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):
