@@ -158,6 +158,7 @@ class W4A16Algo(enum.Enum):
     DOT = "dot"
     DOT_SWAP = "dot_swap"
     DEQUANT_MATMUL = "dequant_matmul"
+    TILED = "tiled"  # kernels/w4a16_tiled.py: one dequantized [BLOCK_K, BLOCK_N] tile, one tl.dot per K step
 
 
 # the kernel's ALGO constexpr
@@ -595,6 +596,11 @@ def w4a16_matmul(
     if x.is_cuda and tensor_cores and (cfg.block_m < 16 or cfg.block_k // pack < 16):
         raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16 and block_k // {pack} >= 16")
 
+    if cfg.algo == W4A16Algo.TILED:  # prefill-sized M; imported here because w4a16_tiled imports this module
+        from .w4a16_tiled import TiledConfig, w4a16_tiled_matmul
+
+        tiled = TiledConfig(cfg.block_m, cfg.block_n, cfg.block_k, 8, cfg.split_k, cfg.num_warps, cfg.num_stages, unpack=2)
+        return w4a16_tiled_matmul(x, qweight, scales, zeros, bits, group_size, bias, tiled)
     if cfg.algo == W4A16Algo.DEQUANT_MATMUL:
         # NOTE: a [K, N] scratch weight per call (from the caching allocator); meant for prefill-sized M
         w = torch.empty((K, N), dtype=x.dtype, device=x.device)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .w4a16 import _WORKSPACE, w4a16_matmul_ref  # noqa: F401 (the reference of this kernel, re-exported)
+from .w4a16 import _WORKSPACE, _num_sms, w4a16_matmul_ref  # noqa: F401 (the reference of this kernel, re-exported)
 
 try:
     import triton
@@ -82,12 +82,18 @@ class TiledConfig:
                 f"g{self.group_m} split{self.split_k} w{self.num_warps} s{self.num_stages}")  # fmt: skip
 
 
-def default_tiled_config(M: int, N: int, K: int) -> TiledConfig:
-    """A starting config before the H200 sweep of ``benchmarks/bench_w4a16_tiled.py`` decides: 128x128x64 tiles,
-    8 warps, swap for M <= 256 (one dequantized tile then serves all the tokens of a tile)."""
-    if M <= 64:
-        return TiledConfig(64, 128, 64, 8, 1, 4, 4, swap=True)
-    return TiledConfig(128, 128, 64, 8, 1, 8, 3, swap=M <= 256)
+def default_tiled_config(M: int, N: int, K: int, num_sms: int = 132) -> TiledConfig:
+    """A starting config until the H200 sweep of ``benchmarks/bench_w4a16_tiled.py`` decides: 128x128x64 tiles
+    (64x128 for M <= 64), the weight tile unpacked by joins (``unpack=2``: in the sm_90 TTGIR of triton 3.9 every
+    load of the loop is then a cp.async stage and the tile reaches shared memory by 16-byte stores), and split-K
+    when the output tiles cannot fill the SMs (``num_sms // tiles`` programs per tile, at least 4 K steps each).
+
+    Args: the GEMM sizes (``x [M, K] @ W [K, N]``), SMs of the device. Returns: a ``TiledConfig``.
+    """
+    bm, warps, stages = (64, 4, 4) if M <= 64 else (128, 8, 3)
+    tiles = -(-M // bm) * -(-N // 128)
+    split = max(1, min(-(-K // 64) // 4, num_sms // tiles))
+    return TiledConfig(bm, 128, 64, 8, split, warps, stages, swap=False, unpack=2)
 
 
 if triton is not None:
@@ -151,6 +157,7 @@ if triton is not None:
         K,
         stride_xm,
         stride_om,
+        SPLIT_K,  # programs per output tile (a runtime int: one compile serves every split)
         BITS: tl.constexpr,
         GROUP_SIZE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -158,7 +165,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
-        SPLIT_K: tl.constexpr,
+        SPLIT: tl.constexpr,  # SPLIT_K > 1
         SWAP: tl.constexpr,
         UNPACK: tl.constexpr,
     ):
@@ -207,7 +214,7 @@ if triton is not None:
 
         mask_out = mask_m[:, None] & mask_n[None, :]
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        if SPLIT_K == 1:
+        if not SPLIT:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
@@ -263,7 +270,7 @@ def w4a16_tiled_matmul(
         bits: 4 or 8.
         group_size: input rows per group, dividing K (pass K for per-channel / ``group_size=-1``).
         bias: optional ``[N]``.
-        config: a ``TiledConfig``; default ``default_tiled_config(M, N, K)``.
+        config: a ``TiledConfig``; default ``default_tiled_config(M, N, K, SMs)``.
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
@@ -298,7 +305,7 @@ def w4a16_tiled_matmul(
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    cfg = config or default_tiled_config(M, N, K)
+    cfg = config or default_tiled_config(M, N, K, _num_sms(x.device))
     if cfg.block_k % pack:
         raise ValueError(f"config.block_k={cfg.block_k} must be a multiple of {pack}")
     if x.is_cuda and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
@@ -313,9 +320,9 @@ def w4a16_tiled_matmul(
     # grid: one program per (output tile, K slice); tiles in grouped order (see the kernel)
     _kernel_for(x.device)[(num_tiles, cfg.split_k)](
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks,
-        M, N, K, x.stride(0), out.stride(0),
+        M, N, K, x.stride(0), out.stride(0), cfg.split_k,
         BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, SWAP=cfg.swap, UNPACK=cfg.unpack,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT=cfg.split_k > 1, SWAP=cfg.swap, UNPACK=cfg.unpack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

@@ -11,8 +11,8 @@ import torch
 # NOTE: without CUDA, conftest.py sets TRITON_INTERPRET=1 before triton is imported (never set it here).
 pytest.importorskip("triton")
 
-from paged_transformers.kernels import w4a16 as k  # noqa: E402
-from paged_transformers.kernels import w4a16_tiled as t  # noqa: E402
+from paged_transformers.kernels import w4a16 as k
+from paged_transformers.kernels import w4a16_tiled as t
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -103,3 +103,12 @@ def test_tiled_real_size_cuda(M):
     x = torch.randn(M, 4096, device=DEVICE, dtype=torch.bfloat16)
     out = t.w4a16_tiled_matmul(x, qweight, scales, zeros, 4, 128)
     assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)) < 1e-2
+
+
+def test_w4a16_matmul_dispatches_tiled():
+    # W4A16Algo.TILED in kernels/w4a16.py's launcher runs this kernel (join unpack, the config's tile and split)
+    _, qweight, scales, zeros = random_layer(128, 32, 4, 32)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    x = x.half() if HAS_CUDA else x
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(16, 16, 64, 2, algo="tiled"))
+    assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 32)) < (2e-3 if HAS_CUDA else 1e-5)
