@@ -31,19 +31,20 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def compile_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+def compile_layers(model: torch.nn.Module, options: dict | None = None) -> list[tuple[torch.nn.Module, object]]:
     """Replace each decoder layer's ``forward`` by its ``torch.compile``d version (lazy: Dynamo traces on
     the first call). A ``forward`` already set on the instance (accelerate's device-map / offload hooks, a
-    user's wrapper) is what gets compiled, and is put back by ``uncompile_layers``.
+    user's wrapper) is what gets compiled, and is put back by ``uncompile_layers``. ``options``: Inductor
+    options on top of ``INDUCTOR_OPTIONS`` (``fusion.COMPILE_OPTIONS`` when projections are fused).
 
     Returns:
         ``(layer, previous instance forward or None)`` per layer changed, for ``uncompile_layers``; empty
         when the model has no ``GradientCheckpointingLayer`` (nothing is changed then).
     """
-    changed = []
+    changed, options = [], {**INDUCTOR_OPTIONS, **(options or {})}
     for layer in decoder_layers(model):
         changed.append((layer, vars(layer).get("forward")))
-        layer.forward = torch.compile(layer.forward, dynamic=True, options=INDUCTOR_OPTIONS)
+        layer.forward = torch.compile(layer.forward, dynamic=True, options=options)
     return changed
 
 

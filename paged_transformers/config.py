@@ -42,6 +42,10 @@ class EngineConfig:
             ops between the projections (norms, rotary embedding, activation, residual adds; see
             ``paged_transformers.compile``). None (default): on exactly when CUDA graphs are (CUDA, Triton
             attention, not ``enforce_eager``); compiling takes tens of seconds at engine start.
+        fuse_projections: in the compiled layers, compute q|k|v and gate|up as one GEMM each over a
+            concatenated weight (``paged_transformers.fusion``; memory neutral, undone on close). None
+            (default): on exactly when ``compile_layers`` is; True without compiled layers is a ValueError
+            (eagerly, fusion would compute each fused product once per projection).
 
     Raises:
         ValueError: a field out of range, naming the field and the value.
@@ -69,6 +73,7 @@ class EngineConfig:
     attention_backend: AttentionBackend | str = AttentionBackend.AUTO
     enforce_eager: bool = False
     compile_layers: bool | None = None
+    fuse_projections: bool | None = None
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -97,6 +102,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.compile_layers is not None and not isinstance(self.compile_layers, bool):
             raise ValueError(f"compile_layers must be a bool or None, got {self.compile_layers!r}")
+        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
+            raise ValueError(f"fuse_projections must be a bool or None, got {self.fuse_projections!r}")
+        if self.fuse_projections and (self.compile_layers is False or (self.compile_layers is None and self.enforce_eager)):
+            raise ValueError(f"fuse_projections=True needs compiled layers, but compile_layers={self.compile_layers!r} "
+                             f"(enforce_eager={self.enforce_eager})")
         if isinstance(self.max_model_len, int) and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token and one output token), got {self.max_model_len}")
         gmu = self.gpu_memory_utilization

@@ -125,6 +125,7 @@ class LLMEngine:
                 model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
                 use_cuda_graphs=not self.config.enforce_eager, compile_layers=self.config.compile_layers,
+                fuse_projections=self.config.fuse_projections,
             )
             self.runner.capture_graphs()
         except BaseException:

@@ -105,9 +105,11 @@ class ModelRunner:
             None: exactly when decode graphs are used. Compiled at construction by two dummy forwards
             (one token, and two: the dynamic-shape graph); a compile error leaves the layers eager and
             is recorded in ``compile_error``.
+        fuse_projections: fuse q|k|v and gate|up into one GEMM each inside the compiled layers
+            (``fusion.py``); None: exactly when layers are compiled. Undone by ``uncompile``.
 
     Raises:
-        ValueError: a limit that is not positive.
+        ValueError: a limit that is not positive; ``fuse_projections=True`` without compiled layers.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class ModelRunner:
         max_model_len: int = 4096,
         use_cuda_graphs: bool = False,
         compile_layers: bool | None = None,
+        fuse_projections: bool | None = None,
     ):
         assert model.config._attn_implementation == ATTENTION_NAME, model.config._attn_implementation
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -151,8 +154,13 @@ class ModelRunner:
         self.steps: list[StepTrace] = []
         self.compiled_layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its previous forward)
         self.compile_error: str | None = None
-        if compile_layers if compile_layers is not None else self.graphs_enabled:
-            self._compile()
+        self.fusion = None  # fusion.FusionHandle while projections are fused
+        compile_on = compile_layers if compile_layers is not None else self.graphs_enabled
+        if fuse_projections and not compile_on:
+            raise ValueError("fuse_projections=True needs compiled layers (compile_layers), which are off here: "
+                             "eagerly every fused slice computes the whole fused product")
+        if compile_on:
+            self._compile(fuse=fuse_projections is not False)
 
     # -- buffers ----------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:
@@ -278,11 +286,15 @@ class ModelRunner:
         return (B, B, B, 1, self.max_model_len)
 
     @torch.inference_mode()
-    def _compile(self) -> None:
-        """Compile the decoder layers now: one-token and two-token dummy forwards trace both graphs."""
+    def _compile(self, fuse: bool = False) -> None:
+        """Compile the decoder layers now (first fusing their projections if ``fuse``): one-token and
+        two-token dummy forwards trace both graphs."""
+        from . import fusion
         from .compile import compile_layers
 
-        self.compiled_layers = compile_layers(self.model)
+        if fuse:
+            self.fusion = fusion.fuse_projections(self.model)
+        self.compiled_layers = compile_layers(self.model, fusion.COMPILE_OPTIONS if fuse else None)
         try:
             for n in (1, min(2, self.max_num_seqs)):
                 self._forward(*self._dummy_step(n))
@@ -294,11 +306,16 @@ class ModelRunner:
             logger.warning("torch.compile of the decoder layers failed, they run eagerly: %s", self.compile_error)
 
     def uncompile(self) -> None:
-        """Give the model's decoder layers their eager ``forward`` back (the engine calls this on close)."""
+        """Give the model's decoder layers their eager ``forward`` and unfused projections back (the
+        engine calls this on close)."""
         from .compile import uncompile_layers
+        from .fusion import unfuse_projections
 
         uncompile_layers(self.compiled_layers)
         self.compiled_layers = []
+        if self.fusion is not None:
+            unfuse_projections(self.fusion)
+            self.fusion = None
 
     # -- CUDA graphs --------------------------------------------------------------------------------
     def _bucket(self, out: SchedulerOutput) -> int | None:
