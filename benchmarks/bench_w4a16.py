@@ -4,6 +4,7 @@ Llama-3-8B-shaped GPTQ model vs bf16 through the paged engine. About 3 minutes o
 Usage (GPU)::
 
     python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16_h200_round2.json
+    python benchmarks/bench_w4a16.py --variants gemv --out benchmarks/results/w4a16_h200_round3_gemv.json  # M = 1 only
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
    as ``||out - ref|| / ||ref||`` on fresh random data, for the Llama-3-8B layer shapes at every M and
@@ -259,6 +260,62 @@ def time_gemms(device, quick: bool) -> list[dict]:
     return rows
 
 
+def gemv_candidates(N: int, K: int, sms: int) -> list[k.W4A16Config]:
+    """Round-3 M = 1 candidates (``W4A16Algo.GEMV``): column tiles of 128 * num_warps (every packed row of a tile
+    in one thread: the per-step row sum stays in registers) or narrower (warps split the rows), 2-8 programs per
+    SM, with/without the hand prefetch and the per-field exponent (``fold_exp``)."""
+    out = []
+    for bn, bk, w, pf, per_sm in ((512, 32, 4, False, 4), (512, 32, 4, False, 8), (512, 64, 4, True, 4),
+                                  (256, 32, 2, False, 8), (256, 64, 2, False, 8), (1024, 32, 8, False, 2),
+                                  (1024, 32, 8, False, 4), (128, 128, 4, False, 8), (256, 128, 4, True, 4)):
+        split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
+        out.append(k.W4A16Config(1, bn, bk, split, w, 1, k.W4A16Algo.GEMV, prefetch=pf))
+    out.append(k.W4A16Config(1, 512, 32, k.split_k_for(-(-N // 512), -(-K // 32), sms, 4), 4, 1, k.W4A16Algo.GEMV,
+                             fold_exp=False))
+    return out
+
+
+def time_gemv_variants(device) -> list[dict]:
+    """``--variants gemv``: at M = 1 on the three shapes, bf16 matmul, the default config and every
+    ``gemv_candidates`` config, each checked against ``w4a16_matmul_ref`` (fresh data, also with a bias and with
+    K = 4104 per-channel) before it is timed on the graph clock."""
+    l2_bytes = 50 * 2**20
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for K, N in SHAPES:
+        int4_bytes = K * N // 2 + 2 * (K // GROUP) * N * 2
+        n_q = max(2, math.ceil(4 * l2_bytes / int4_bytes))
+        n_b = max(2, math.ceil(4 * l2_bytes / (K * N * 2)))
+        qsets = [random_layer(K, N, 4, GROUP, device) for _ in range(n_q)]
+        bsets = [torch.randn(K, N, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n_b)]
+        xs = [torch.randn(1, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
+        bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
+        for cfg in [None] + gemv_candidates(N, K, sms):
+            used = str(cfg or k.default_config(1, N, K, GROUP, device))
+            label = "default" if cfg is None else used
+            try:
+                bias = torch.randn(N, device=device, dtype=torch.bfloat16)
+                out = k.w4a16_matmul(xs[0], *qsets[0], 4, GROUP, bias=bias, config=cfg)
+                err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP, bias=bias))
+                if cfg is not None:  # off the tile grid: per-channel, K = 4104
+                    q2 = random_layer(4104, 1000, 4, 4104, device)
+                    x2 = torch.randn(1, 4104, device=device, dtype=torch.bfloat16)
+                    err = max(err, rel_err(k.w4a16_matmul(x2, *q2, 4, 4104, config=cfg), k.w4a16_matmul_ref(x2.float(), *q2, 4, 4104)))
+                if not err < 1e-2:
+                    raise AssertionError(f"rel_err {err:.3g}")
+                g_us = graph_time_ms(lambda i, cfg=cfg: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)) * 1e3
+            except Exception as e:  # noqa: BLE001 (record and go on: one call of device time)
+                rows.append(dict(K=K, N=N, M=1, config=label, used=used, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                print("  config failed", label, rows[-1]["error"], flush=True)
+                continue
+            rows.append(dict(K=K, N=N, M=1, config=label, used=used, graph_us=g_us, bf16_graph_us=bf16_us,
+                             speedup=bf16_us / g_us, rel_err=err, int4_tb_s=int4_bytes / g_us / 1e6))
+            print(f"  K={K:5d} N={N:5d} {used[:44]:44s} {g_us:7.1f} us  x{bf16_us / g_us:4.2f}  {int4_bytes / g_us / 1e6:4.2f} TB/s  err {err:.1e}", flush=True)
+    ws, locks = k._WORKSPACE._buffers[device]
+    rows.append(dict(case="split-K workspace left zeroed", ok=bool((ws == 0).all() and (locks == 0).all())))
+    return rows
+
+
 def e2e_paged(device, num_requests: int = 4, context: int = 512, decode_steps: int = 64) -> dict:
     """Batch-1 decode through the paged engine (compiled layers + CUDA graphs, the engine's defaults) of a
     Llama-3-8B-shaped model with random weights: bf16 vs GPTQ 4-bit g128 (``run_paged``'s ``decode_batch1``)."""
@@ -289,6 +346,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
     parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument("--variants", choices=["gemv"], default=None,
+                        help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_w4a16 needs a CUDA GPU")
@@ -305,6 +364,22 @@ def main() -> None:
                      "python": platform.python_version(), "cuda": torch.version.cuda},
     }
     t0 = t_start = time.perf_counter()
+    if args.variants == "gemv":
+        report["command"] = "python benchmarks/bench_w4a16.py --variants gemv"
+        report["kernel_round"] = 3
+        report["gemv"] = rows = time_gemv_variants(device)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        print("\nM = 1, us per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
+        for K, N in SHAPES:
+            rs = sorted((r for r in rows if r.get("K") == K and r.get("N") == N and "graph_us" in r), key=lambda r: r["graph_us"])
+            for r in rs[:4] + [r for r in rs[4:] if r["config"] == "default"]:
+                print(f"{K:5d}x{N:<5d} {r['config'][:44]:44s} {r['graph_us']:7.1f} x{r['speedup']:4.2f} {r['int4_tb_s']:4.2f} TB/s"
+                      f"  (bf16 {r['bf16_graph_us']:.1f}, target x{TARGET_SMALL_M[(K, N)]})")
+        failed = [r for r in rows if "error" in r or r.get("ok") is False]
+        print(f"failed: {len(failed)}; total {time.perf_counter() - t_start:.0f} s")
+        return
     report["correctness"] = check_correctness(device)
     bad = [r for r in report["correctness"] if not r["ok"]]
     print(f"correctness: {len(report['correctness']) - len(bad)}/{len(report['correctness'])} ok ({time.perf_counter() - t0:.0f}s)", flush=True)

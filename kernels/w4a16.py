@@ -150,11 +150,15 @@ class W4A16Algo(enum.Enum):
       for each field j;
     * ``DOT_SWAP``: as ``DOT`` with the product transposed, ``tl.dot(w_j^T, x_j^T)``, so the dequantized
       weight is the left (register-sourced) MMA operand and ``BLOCK_M`` is the MMA's small N;
+    * ``GEMV``: the M = 1 kernel of round 3 (``_gemv_kernel_fn``): a 1-D accumulator, the zero point folded into
+      the per-field FADD of the magic number, x read as bf16 pairs, no masks on even shapes; candidate, not a
+      default until measured (``W4A16Config.prefetch``/``fold_exp`` select its variants);
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer,
       then ``torch.matmul`` (cuBLAS), as exllama does for large batches.
     """
 
     FMA = "fma"
+    GEMV = "gemv"
     DOT = "dot"
     DOT_SWAP = "dot_swap"
     DEQUANT_MATMUL = "dequant_matmul"
@@ -184,6 +188,8 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 3
     algo: W4A16Algo = W4A16Algo.DOT
+    prefetch: bool = False  # GEMV only: load K step it+1 before computing step it
+    fold_exp: bool = True  # GEMV only: _field_biased (exponent per field) instead of _field_magic + x * 2**-E
 
     def __post_init__(self):
         if not isinstance(self.algo, W4A16Algo):
@@ -195,8 +201,9 @@ class W4A16Config:
             raise ValueError(f"W4A16Config sizes must be positive, got {self}")
 
     def __str__(self) -> str:
+        extra = f"{' pf' if self.prefetch else ''}{'' if self.fold_exp else ' magic'}" if self.algo == W4A16Algo.GEMV else ""
         return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
-                f"w{self.num_warps} s{self.num_stages}")  # fmt: skip
+                f"w{self.num_warps} s{self.num_stages}{extra}")  # fmt: skip
 
 
 if triton is not None:
@@ -378,6 +385,17 @@ if triton is not None:
             if ALGO == 2:
                 acc = tl.trans(acc)
 
+        _write_tile(acc, offs_m, offs_n, mask_m, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid, N, stride_om,
+                    HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _write_tile(
+        acc, offs_m, offs_n, mask_m, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, tile_id, N, stride_om,
+        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        """Store a program's fp32 ``acc [BLOCK_M, BLOCK_N]`` (rows ``offs_m``, columns ``offs_n``) into ``out``,
+        adding the bias; with ``SPLIT_K > 1`` through the zeroed workspace and the tile's arrival counter
+        ``lock_ptr + tile_id`` (module docstring: the last program of the tile writes the sum)."""
         mask_out = mask_m[:, None] & mask_n[None, :]
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         if SPLIT_K == 1:
@@ -390,16 +408,181 @@ if triton is not None:
             # acq_rel orders them: every thread's adds are in (barrier) before this program counts as arrived
             tl.atomic_add(ws_ptrs, acc, mask=mask_out, sem="relaxed")
             tl.debug_barrier()
-            arrived = tl.atomic_add(lock_ptr + pid, 1)
+            arrived = tl.atomic_add(lock_ptr + tile_id, 1)
             if arrived == SPLIT_K - 1:
                 # last program of this tile: take the sum and leave zeros behind for the next call
-                zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                zero = tl.zeros_like(acc)
                 total = tl.atomic_add(ws_ptrs, zero, mask=mask_out, sem="relaxed")  # an L2-coherent read of the sum
                 tl.store(ws_ptrs, zero, mask=mask_out)
                 if HAS_BIAS:
                     total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
-                tl.atomic_xchg(lock_ptr + pid, 0)
+                tl.atomic_xchg(lock_ptr + tile_id, 0)
+
+    @triton.jit
+    def _field_biased(p, hi, J: tl.constexpr, BITS: tl.constexpr):
+        """Field ``J`` of packed words as the fp32 ``2**(23 - E) + q``, exactly, in one LOP3.
+
+        As ``_field_magic``, the field stays at bit ``E`` (fields 0 .. ``23 // BITS - 1`` in ``p``, the rest in
+        ``hi = p >>> 16``), but it is OR-ed into the exponent of ``2**(23 - E)`` instead of ``2**23``, so its
+        lowest bit weighs 1: one FADD of ``-(2**(23 - E) + z)`` leaves ``q - z`` with no ``2**-E`` to fold
+        into x (an FMUL per x value in the FMA path).
+
+        Args: p, hi int32 ``[R, C]``. Returns: fp32 ``[R, C]``.
+        """
+        MASK: tl.constexpr = (1 << BITS) - 1
+        LOW: tl.constexpr = 23 // BITS
+        E: tl.constexpr = BITS * J - 16 * (J // LOW)
+        EXP: tl.constexpr = (150 - E) << 23  # the exponent field of 2**(23 - E): 127 + 23 - E
+        if J < LOW:
+            f = (p & (MASK << E)) | EXP
+        else:
+            f = (hi & (MASK << E)) | EXP
+        return f.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _gemv_load(qw_ptr, it, offs_kp, offs_n, mask_n, N, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """The packed tile of K step ``it``, int32 ``[BLOCK_K // PACK, BLOCK_N]`` (zeros past K or N), masked only
+        where the shape needs it (a mask the compiler cannot prove uniform over 4 columns splits the 16-byte load)."""
+        PACK: tl.constexpr = 32 // BITS
+        kp = it * (BLOCK_K // PACK) + offs_kp
+        ptrs = qw_ptr + kp[:, None] * N + offs_n[None, :]
+        if EVEN_K and EVEN_N:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=(kp[:, None] < K // PACK) & mask_n[None, :], other=0)
+
+    @triton.jit
+    def _gemv_x_pair(x_ptr, k0, offs_kp, K, J: tl.constexpr, PACK: tl.constexpr, EVEN_K: tl.constexpr):
+        """x values of fields ``J`` and ``J + 1`` (``J`` even): input rows ``k0 + offs_kp * PACK + J (+ 1)``, two
+        fp32 ``[BKP]`` (0 past K). bf16 x is read as one int32 per pair (the even row is the low half) and widened
+        by a shift or a mask, which is the bf16 -> fp32 conversion; other dtypes load and convert each value."""
+        kk = k0 + offs_kp * PACK + J  # [BKP], even
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            xw_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            if EVEN_K:
+                xw = tl.load(xw_ptr + kk // 2)
+            else:
+                xw = tl.load(xw_ptr + kk // 2, mask=kk < K, other=0)
+            lo = (xw << 16).to(tl.float32, bitcast=True)
+            hi = (xw & -65536).to(tl.float32, bitcast=True)  # -65536 = 0xFFFF0000
+        else:
+            if EVEN_K:
+                lo = tl.load(x_ptr + kk).to(tl.float32)
+                hi = tl.load(x_ptr + kk + 1).to(tl.float32)
+            else:
+                lo = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                hi = tl.load(x_ptr + kk + 1, mask=kk + 1 < K, other=0.0).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _gemv_step(
+        acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD_EXP: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of the GEMV: ``acc [BLOCK_N] += sum_k x[k] W[k, n]`` over input rows ``k0 .. k0 + BLOCK_K``
+        of the packed tile ``p [BLOCK_K // PACK, BLOCK_N]`` (``BKP = BLOCK_K // PACK`` rows).
+
+        One group per tile (``GROUP_SIZE % BLOCK_K == 0``): per field ``J``, ``part += x_J * (q_J - z)``, where
+        ``_field_biased``'s float ``2**(23 - E) + q`` minus ``2**(23 - E) + z`` (one per column and exponent, made
+        once per tile) is ``q - z`` exactly: LOP3 + FADD + FFMA per weight and nothing per x value but its
+        load; the scale once per tile, ``acc += s * sum_rows(part)``. Smaller groups: each packed row lies in
+        one group (``GROUP_SIZE % PACK == 0``), so ``acc += sum_rows s_r (part_r - z_r sum_{k in row r} x_k)``
+        with ``part_r = sum x q``.
+        """
+        PACK: tl.constexpr = 32 // BITS
+        LOW: tl.constexpr = 23 // BITS
+        BKP: tl.constexpr = BLOCK_K // PACK
+        hi = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+        part = tl.zeros([BKP, p.shape[1]], dtype=tl.float32)
+        if GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group
+            g = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+            for J in tl.static_range(PACK):
+                if J % 2 == 0:
+                    xlo, xhi = _gemv_x_pair(x_ptr, k0, offs_kp, K, J, PACK, EVEN_K)
+                xj = xlo if J % 2 == 0 else xhi
+                E = BITS * J - 16 * (J // LOW)  # constexpr: see _field_magic
+                if FOLD_EXP:
+                    # (2**(23-E) + q) - (2**(23-E) + z): both exact, so is the difference
+                    w = _field_biased(p, hi, J, BITS) - (z + 1.0 * (1 << (23 - E)))[None, :]
+                else:
+                    # (2**23 + q 2**E) - (2**23 + z 2**E) = (q - z) 2**E, exact; 2**-E goes into x
+                    w = _field_magic(p, hi, J, BITS) - _zero_magic(z, J, BITS)[None, :]
+                    xj = xj * (1.0 / (1 << E))
+                part += xj[:, None] * w
+            acc += s * tl.sum(part, axis=0)
+        else:
+            xsum = tl.zeros([BKP], dtype=tl.float32)
+            for J in tl.static_range(PACK):
+                if J % 2 == 0:
+                    xlo, xhi = _gemv_x_pair(x_ptr, k0, offs_kp, K, J, PACK, EVEN_K)
+                xj = xlo if J % 2 == 0 else xhi
+                E2 = BITS * J - 16 * (J // LOW)
+                part += xj[:, None] * (_field_biased(p, hi, J, BITS) - 1.0 * (1 << (23 - E2)))
+                xsum += xj
+            s, z = _group_rows(s_ptr, z_ptr, k0 + offs_kp * PACK, offs_n, mask_n, N, K, GROUP_SIZE)
+            acc += tl.sum(s * (part - z * xsum[:, None]), axis=0)
+        return acc
+
+    def _gemv_kernel_fn(
+        x_ptr,  # [K] activations (the one row, M = 1), unit stride
+        qw_ptr,  # int32 [K // PACK, N]
+        s_ptr,  # [G, N] scales
+        z_ptr,  # int16 [G, N] zero points
+        bias_ptr,  # [N] or dummy
+        out_ptr,  # [N]
+        ws_ptr,  # fp32 [N] workspace, all zero between calls (split-K only)
+        lock_ptr,  # int32 [cdiv(N, BLOCK_N)] arrival counters, all zero between calls (split-K only)
+        N,
+        K,
+        BITS: tl.constexpr,
+        GROUP_SIZE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
+        EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
+        FOLD_EXP: tl.constexpr,  # _field_biased (a magic per field) instead of _field_magic + x * 2**-E
+    ):
+        """The M = 1 GEMV (``W4A16Algo.GEMV``): program ``(pid_n, pid_k)`` owns columns ``pid_n * BLOCK_N + [0,
+        BLOCK_N)`` and K slice ``pid_k`` of ``SPLIT_K``; a 1-D fp32 accumulator, reduced over the tile's rows every
+        K step (in-thread when the tile's rows all sit in one thread: ``BLOCK_N = 128 * num_warps``)."""
+        PACK: tl.constexpr = 32 // BITS
+        tl.static_assert(BLOCK_K % PACK == 0)
+        tl.static_assert(GROUP_SIZE % PACK == 0)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        k_iters = tl.cdiv(K, BLOCK_K)
+        iters_per_split = tl.cdiv(k_iters, SPLIT_K)
+        it_start = pid_k * iters_per_split
+        it_end = tl.minimum(it_start + iters_per_split, k_iters)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+        offs_kp = tl.arange(0, BLOCK_K // PACK)
+        mask_n = offs_n < N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if PREFETCH:  # as the FMA path: step it+1's tile in flight while step it computes
+            p = _gemv_load(qw_ptr, it_start, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
+            for it in range(it_start, it_end):
+                # the last step re-loads its own tile (an L1/L2 hit) instead of masking every load
+                p_next = _gemv_load(qw_ptr, tl.minimum(it + 1, it_end - 1), offs_kp, offs_n, mask_n, N, K, BITS,
+                                    BLOCK_K, EVEN_K, EVEN_N)
+                acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
+                                 BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
+                p = p_next
+        else:
+            for it in range(it_start, it_end):
+                p = _gemv_load(qw_ptr, it, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
+                acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
+                                 BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
+        offs_m = tl.arange(0, 1)
+        _write_tile(acc[None, :], offs_m, offs_n, offs_m < 1, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid_n, N, 0,
+                    HAS_BIAS, SPLIT_K)
 
     def _dequant_kernel_fn(
         qw_ptr,  # int32 [K // PACK, N]
@@ -433,13 +616,14 @@ if triton is not None:
 
     _w4a16_kernel = triton.jit(_w4a16_kernel_fn)
     _dequant_kernel = triton.jit(_dequant_kernel_fn)
+    _gemv_kernel = triton.jit(_gemv_kernel_fn)
     _interpreted: dict = {}
 
 
 def _kernel_for(device: torch.device, fn_name: str = "_w4a16_kernel_fn"):
     """The compiled kernel on CUDA; on CPU the Triton interpreter (needs ``TRITON_INTERPRET=1``)."""
     if device.type == "cuda":
-        return _w4a16_kernel if fn_name == "_w4a16_kernel_fn" else _dequant_kernel
+        return {"_w4a16_kernel_fn": _w4a16_kernel, "_dequant_kernel_fn": _dequant_kernel, "_gemv_kernel_fn": _gemv_kernel}[fn_name]
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"w4a16_matmul needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 or use w4a16_matmul_ref")
     if fn_name not in _interpreted:
@@ -590,8 +774,10 @@ def w4a16_matmul(
     cfg = config or default_config(M, N, K, group_size, x.device)
     if cfg.block_k % pack:
         raise ValueError(f"config.block_k={cfg.block_k} must be a multiple of {pack}")
-    if cfg.algo == W4A16Algo.FMA and cfg.block_m != 1:
+    if cfg.algo in (W4A16Algo.FMA, W4A16Algo.GEMV) and cfg.block_m != 1:
         raise ValueError(f"config {cfg}: the FMA GEMV needs block_m == 1")
+    if cfg.algo == W4A16Algo.GEMV and (M != 1 or group_size % pack):
+        raise ValueError(f"config {cfg}: the GEMV needs M == 1 (got {M}) and group_size % {pack} == 0 (got {group_size})")
     tensor_cores = cfg.algo in (W4A16Algo.DOT, W4A16Algo.DOT_SWAP)
     if x.is_cuda and tensor_cores and (cfg.block_m < 16 or cfg.block_k // pack < 16):
         raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16 and block_k // {pack} >= 16")
@@ -611,6 +797,9 @@ def w4a16_matmul(
         out = x @ w
         return out + bias.to(x.dtype) if bias is not None else out
 
+    if cfg.algo == W4A16Algo.GEMV:
+        return _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg)
+
     kernel = _kernel_for(x.device)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     num_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
@@ -626,6 +815,22 @@ def w4a16_matmul(
         BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, ALGO=_ALGO_ID[cfg.algo],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
+    """``w4a16_matmul``'s launch of ``W4A16Algo.GEMV`` (arguments already validated there): ``[1, N]`` out."""
+    K, N = x.shape[1], qweight.shape[1]
+    out = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    num_tiles = -(-N // cfg.block_n)
+    ws, locks = _WORKSPACE.get(x.device, N, num_tiles) if cfg.split_k > 1 else (out, out)  # unused without split-K
+    # grid: one program per (column tile, K slice)
+    _kernel_for(x.device, "_gemv_kernel_fn")[(num_tiles, cfg.split_k)](
+        x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, N, K,
+        BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, PREFETCH=cfg.prefetch, EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
+        FOLD_EXP=cfg.fold_exp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

@@ -54,6 +54,12 @@ CASES = [
     (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.FMA)),  # two groups per tile
     (1, 512, 32, 4, 64, k.W4A16Config(1, 32, 64, 3, algo=A.FMA)),  # 8 K steps over 3 splits: 3, 3, 2
     (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.FMA)),  # 8-bit
+    # round-3 GEMV: split-K + bias, per-channel K % BLOCK_K != 0 with the hand prefetch, groups smaller than the
+    # tile, 8-bit, and the _field_magic variant (fold_exp=False)
+    (1, 256, 48, 4, 128, k.W4A16Config(1, 16, 128, 2, algo=A.GEMV)),
+    (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, prefetch=True)),
+    (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.GEMV)),
+    (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, fold_exp=False)),
     (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 128, 2, algo=A.DOT)),
     (3, 96, 40, 4, 96, k.W4A16Config(16, 32, 64, 2, algo=A.DOT)),  # per-channel spanning tiles
     (5, 256, 48, 4, 32, k.W4A16Config(16, 16, 128, 1, algo=A.DOT_SWAP)),
@@ -84,6 +90,20 @@ def test_kernel_default_config_fp16():
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 64)
     assert out.dtype == torch.float16 and out.shape == (4, 64)
     assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 64)) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fold_exp", [True, False])
+def test_gemv_half_activations(dtype, fold_exp):
+    # bf16 x is read as int32 pairs (a different code path from fp32/fp16); K % BLOCK_K != 0 masks the last pair
+    K, N = 200, 64
+    _, qweight, scales, zeros = random_layer(K, N, 4, 8)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    cfg = k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, fold_exp=fold_exp)
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 8, config=cfg)
+    assert out.dtype == dtype
+    # bf16 output rounding is 2**-9 relative (fp16: 2**-12)
+    assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 8)) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
 def test_magic_number_fields_exact():
@@ -124,6 +144,8 @@ def test_kernel_rejects_bad_arguments():
         k.w4a16_matmul(x, qweight, scales, zeros.int(), 4, 32)
     with pytest.raises(ValueError, match="block_m == 1"):
         k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(2, 16, 64, algo=A.FMA))
+    with pytest.raises(ValueError, match="M == 1"):
+        k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(1, 16, 64, algo=A.GEMV))
 
 
 def test_default_config_rules():
