@@ -10,9 +10,9 @@ import re
 
 import pytest
 import torch
+from conftest import engine_greedy, random_prompts, stock_greedy
 from torch import nn
 
-from conftest import engine_greedy, random_prompts, stock_greedy
 from paged_transformers import EngineConfig, LLMEngine
 from paged_transformers.compile import INDUCTOR_OPTIONS, decoder_layers
 from paged_transformers.fusion import (
@@ -75,7 +75,8 @@ def _compiled_layer_mm_count(model) -> tuple[int, torch.Tensor]:
     layer = decoder_layers(model)[0]
     x = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     position_ids = torch.arange(5)[None]
-    kwargs = dict(position_embeddings=model.model.rotary_emb(x, position_ids), attention_mask=None, position_ids=position_ids)
+    kwargs = {"position_embeddings": model.model.rotary_emb(x, position_ids), "attention_mask": None,
+              "position_ids": position_ids}
     fused = any(isinstance(m, FusedLinearSlice) for m in layer.modules())
     torch._dynamo.reset()
     fn = torch.compile(layer.forward, dynamic=True, options={**INDUCTOR_OPTIONS, **(COMPILE_OPTIONS if fused else {})})
@@ -108,7 +109,9 @@ def test_cse_merges_only_identical_products():
         return (x @ w.t())[:, :4] + (x @ w.t())[:, 4:8] + (x @ w2.t())[:, :4]
 
     gm = make_fx(f)(torch.randn(3, 6), torch.randn(8, 6), torch.randn(8, 6))
-    mms = lambda: sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes)  # noqa: E731
+    def mms():
+        return sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes)
+
     assert mms() == 3
     assert cse_projection_nodes(gm.graph) >= 1
     gm.recompile()
@@ -154,7 +157,9 @@ def test_quantized_projections(method, desc_act):
     restores the buffers. GPTQ act-order with per-layer random permutations: the groups are skipped."""
     import transformers
 
-    from paged_transformers.quantization.random_model import build_random_quantized_model
+    from paged_transformers.quantization.random_model import (
+        build_random_quantized_model,
+    )
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2)
