@@ -127,11 +127,15 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     model = build_model("llama-3-8b", torch.bfloat16, "cuda")
     model.generation_config.eos_token_id = None
     t0 = time.perf_counter()
+    torch._dynamo.utils.counters.clear()
     engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, compile_layers=compile_layers,
                                                          fuse_projections=fuse))
     fusion = getattr(engine.runner, "fusion", None)
+    # graphs Dynamo made for the layers: the same with and without fusion unless the fused modules made
+    # it recompile per layer (which past the recompile limit would leave layers eager)
     out = {"init_s": time.perf_counter() - t0, "compiled_layers": len(engine.runner.compiled_layers),
-           "compile_error": engine.runner.compile_error, "fused_groups": fusion.num_fused if fusion else 0}
+           "compile_error": engine.runner.compile_error, "fused_groups": fusion.num_fused if fusion else 0,
+           "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     for B in batches:
@@ -246,7 +250,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
         print(f"\n== {mode}: init {cases['init_s']:.1f} s, compiled layers {cases['compiled_layers']}, "
-              f"fused groups {cases['fused_groups']}, error {cases['compile_error']}, memory left after close {cases['memory_left_gib']:.2f} GiB")
+              f"fused groups {cases['fused_groups']}, Dynamo graphs {cases['dynamo_unique_graphs']}, error {cases['compile_error']}, memory left after close {cases['memory_left_gib']:.2f} GiB")
         for name, e in cases.items():
             if not isinstance(e, dict):
                 continue
