@@ -55,7 +55,8 @@ class FusedLinearSlice(nn.Module):
     Args:
         original: the ``nn.Linear`` / ``QuantLinear`` it replaces (kept by the handle, not registered).
         fused: the shared fused module, output ``[..., sum(out_features)]``; held outside the module
-            tree (a 1-tuple) so it is neither in ``state_dict`` nor moved twice.
+            tree (a 1-tuple) so that ``state_dict`` keeps the original keys. ``model.to()`` while fused
+            would move the views but not the fused tensors: unfuse first (the engine never moves it).
         start, stop: the slice's output columns in ``fused``'s output.
     """
 
