@@ -9,7 +9,7 @@ into phases by wrapping the engine's methods on the instance (``time.perf_counte
     prepare    ModelRunner.prepare (metadata packing; copies are host -> host on CPU)
     forward    ModelRunner._forward (the model; device time on a GPU, not host overhead)
     execute    the rest of ModelRunner.execute (copy-on-write, bucket choice, logits .float())
-    sample     Sampler.sample: the host part (parameter lists, results) plus the vocab-wide argmax /
+    sample     Sampler.sample_tokens (Sampler.sample before it existed): the host part (parameter lists, results) plus the vocab-wide argmax /
                softmax / multinomial, which is device work on a GPU but runs on this CPU here
     update     Scheduler.update_from_output (append tokens, stop checks, freeing, prefix-cache hashing)
     other      the rest of LLMEngine.step: metrics, sampled-token bookkeeping, building RequestOutputs
@@ -137,7 +137,8 @@ def measure(workload: str, args) -> dict:
     _wrap(engine.runner, "prepare", totals, "prepare")
     _wrap(engine.runner, "_forward", totals, "forward")
     _wrap(engine.runner, "execute", totals, "execute")
-    _wrap(engine.sampler, "sample", totals, "sample")
+    # the engine calls sample_tokens since the host-time work (before: sample)
+    _wrap(engine.sampler, "sample_tokens" if hasattr(engine.sampler, "sample_tokens") else "sample", totals, "sample")
     _wrap(engine.scheduler, "update_from_output", totals, "update")
 
     last_logits = {}
@@ -211,7 +212,9 @@ def main(argv=None) -> int:
         _import_from(args.code_root)
     import torch
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # one thread: host time is single-threaded anyway, and intra-op threads spinning against other
+    # processes on a small shared machine made the forward (and so the whole run) erratic
+    torch.set_num_threads(1)
     results = [measure(w, args) for w in args.workloads.split(",")]
     if args.json_stdout:
         print("JSON:" + json.dumps(results))

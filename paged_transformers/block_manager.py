@@ -69,7 +69,9 @@ class BlockManager:
         # block out of the middle of the queue, which is O(1) here and O(n) in a deque.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> block ids, in position order
-        self._num_hashed: dict[int, int] = {}  # seq_id -> leading blocks of its table already offered to the cache
+        # seq_id -> leading blocks of its table already offered to the cache (read-only outside; the scheduler
+        # reads it to skip cache_full_blocks when no block filled up)
+        self.num_hashed_blocks: dict[int, int] = {}
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1
         self.peak_num_shared_blocks = 0
         self.num_evicted_blocks = 0
@@ -160,7 +162,7 @@ class BlockManager:
             num_computed_tokens: tokens of the sequence whose K/V is written.
         """
         table = self.block_tables[seq_id]
-        start, end = self._num_hashed.get(seq_id, 0), num_computed_tokens // self.block_size
+        start, end = self.num_hashed_blocks.get(seq_id, 0), num_computed_tokens // self.block_size
         assert end <= len(block_hashes) and end <= len(table), (
             f"seq {seq_id}: {end} full blocks but {len(block_hashes)} hashes and {len(table)} blocks"
         )
@@ -171,7 +173,7 @@ class BlockManager:
             elif block_hash not in self.cached_blocks:
                 self.block_hash[block_id] = block_hash
                 self.cached_blocks[block_hash] = block_id
-        self._num_hashed[seq_id] = max(start, end)
+        self.num_hashed_blocks[seq_id] = max(start, end)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash (e.g. after the weights changed), so no later request reuses old K/V.
@@ -220,18 +222,31 @@ class BlockManager:
             The copies the cache must make before writing (empty when nothing is shared), or None when
             the pool has too few free blocks; then nothing changed.
         """
-        table = self.block_tables.get(seq_id, [])
-        assert not (cached_blocks and table), f"seq {seq_id} already holds blocks; hits are for new sequences"
-        table = table or list(cached_blocks)
-        assert len(table) >= self.blocks_for(num_computed_tokens), (
+        # NOTE: called for every running sequence at every step, so this is written for the decode case
+        # (one token into a block the sequence already owns): locals, no generator expressions.
+        block_size = self.block_size
+        table = self.block_tables.get(seq_id)
+        new_table = not table
+        if new_table:
+            table = list(cached_blocks)
+        else:
+            assert not cached_blocks, f"seq {seq_id} already holds blocks; hits are for new sequences"
+        assert len(table) * block_size >= num_computed_tokens, (
             f"seq {seq_id}: {num_computed_tokens} computed tokens but {len(table)} blocks"
         )
-        end = num_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, self.blocks_for(end) - len(table))
-        first, last = num_computed_tokens // self.block_size, min(self.blocks_for(end), len(table))
-        to_copy = [i for i in range(first, last) if self.ref_cnt[table[i]] > 1 or self.block_hash[table[i]] is not None]
-        num_free_hits = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
-        if num_new_blocks + len(to_copy) > self.num_free_blocks - num_free_hits:
+        needed = -(-(num_computed_tokens + num_new_tokens) // block_size)
+        num_new_blocks = needed - len(table)
+        ref_cnt, block_hash = self.ref_cnt, self.block_hash
+        to_copy = []
+        for i in range(num_computed_tokens // block_size, min(needed, len(table))):
+            block_id = table[i]
+            if ref_cnt[block_id] > 1 or block_hash[block_id] is not None:
+                to_copy.append(i)
+        if num_new_blocks <= 0 and not to_copy and not new_table:
+            return []  # the tokens land in private blocks the sequence holds: nothing to do
+        num_new_blocks = max(0, num_new_blocks)
+        num_free_hits = sum(1 for b in cached_blocks if ref_cnt[b] == 0) if cached_blocks else 0
+        if num_new_blocks + len(to_copy) > len(self.free_blocks) - num_free_hits:
             return None
         for block_id in cached_blocks:
             self._incref(block_id)
@@ -241,7 +256,8 @@ class BlockManager:
             table[i] = self._take()
             self._decref(src)
             copies.append(BlockCopy(src, table[i]))
-        table.extend(self._take() for _ in range(num_new_blocks))
+        if num_new_blocks:
+            table.extend(self._take() for _ in range(num_new_blocks))
         self.block_tables[seq_id] = table
         return copies
 
@@ -259,7 +275,7 @@ class BlockManager:
         for block_id in table:
             self._incref(block_id)
         self.block_tables[child_seq_id] = list(table)
-        self._num_hashed[child_seq_id] = self._num_hashed.get(parent_seq_id, 0)
+        self.num_hashed_blocks[child_seq_id] = self.num_hashed_blocks.get(parent_seq_id, 0)
 
     def truncate(self, seq_id: int, num_blocks: int) -> None:
         """Keep the first ``num_blocks`` blocks of the sequence's table and release the rest, tail first
@@ -268,13 +284,13 @@ class BlockManager:
         for block_id in reversed(table[num_blocks:]):
             self._decref(block_id)
         del table[num_blocks:]
-        if seq_id in self._num_hashed:
-            self._num_hashed[seq_id] = min(self._num_hashed[seq_id], num_blocks)
+        if seq_id in self.num_hashed_blocks:
+            self.num_hashed_blocks[seq_id] = min(self.num_hashed_blocks[seq_id], num_blocks)
 
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's block table, tail first; blocks no one else holds join the free queue."""
-        self._num_hashed.pop(seq_id, None)
+        self.num_hashed_blocks.pop(seq_id, None)
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             self._decref(block_id)
 

@@ -315,25 +315,27 @@ class LLMEngine:
             return []
         now = time.perf_counter()
         for seq in plan.seqs:
-            metrics = self.requests[seq.request_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            # only a sequence still without outputs can be its request's first one scheduled
+            if len(seq.token_ids) == seq.num_prompt_tokens:
+                metrics = self.requests[seq.request_id].metrics
+                metrics.first_scheduled_time = metrics.first_scheduled_time or now
         self.peak_num_used_blocks = max(self.peak_num_used_blocks, self.cache.block_manager.num_used_blocks)
 
         logits = self.runner.execute(plan)
-        sample_seqs = [seq for i, seq in enumerate(plan.seqs) if plan.samples(i)]
+        sample_seqs = [seq for seq, samples in zip(plan.seqs, plan.sample_mask) if samples]
         logits, sample_seqs = _with_pending_forks(logits, sample_seqs)
-        results = self.sampler.sample(logits, sample_seqs) if sample_seqs else []
-
         sampled: dict[int, int] = {}
-        for seq, result in zip(sample_seqs, results):
-            if result.error is not None:
-                seq.error = result.error
+        if sample_seqs:
+            result = self.sampler.sample_tokens(logits, sample_seqs)
+            for i in sorted(result.errors):  # row order, as the sequences were sampled
+                seq = sample_seqs[i]
+                seq.error = result.errors[i]
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-                continue
-            sampled[seq.seq_id] = result.token_id
-            if seq.logprobs is not None:
-                seq.logprobs.append(result.top_logprobs)
-                seq.cumulative_logprob += result.logprob
+            for i, (logprob, top_logprobs) in result.logprobs.items():
+                seq = sample_seqs[i]
+                seq.logprobs.append(top_logprobs)
+                seq.cumulative_logprob += logprob
+            sampled = {seq.seq_id: token for seq, token in zip(sample_seqs, result.token_ids) if token is not None}
         self.scheduler.update_from_output(plan, sampled)
 
         now = time.perf_counter()
@@ -341,10 +343,12 @@ class LLMEngine:
         outputs = []
         for request_id in touched:
             request = self.requests[request_id]
-            request.metrics.first_token_time = request.metrics.first_token_time or now
+            metrics = request.metrics
+            if not metrics.first_token_time:
+                metrics.first_token_time = now
             output = self._make_output(request)
             if output.finished:
-                request.metrics.finished_time = now
+                metrics.finished_time = now
                 del self.requests[request_id]
             outputs.append(output)
         return outputs
@@ -375,8 +379,9 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
         sp = seq.sampling_params
-        token = seq.token_ids[-1]
-        if token in sp.stop_token_ids:
+        token_ids = seq.token_ids
+        token = token_ids[-1]
+        if sp.stop_token_ids and token in sp.stop_token_ids:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
         if not sp.ignore_eos and token in self.eos_token_ids:
@@ -387,7 +392,8 @@ class LLMEngine:
                 if stop in text:
                     seq.stop_reason = stop
                     return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        num_tokens = len(token_ids)
+        if num_tokens - seq.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
@@ -397,35 +403,32 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _make_output(self, request: _Request) -> RequestOutput:
+        seqs = request.seqs
+        finished = True
+        for seq in seqs:
+            if not seq.status.is_finished:
+                finished = False
+                break
         completions = []
-        finished = all(seq.is_finished for seq in request.seqs)
-        for seq in request.seqs:
+        for seq in seqs:
             # NOTE: decoding the whole output again every step is O(length) per request per step, the
             # largest host cost at big batches: text comes with the finished output only (streaming.stream
             # detokenizes incrementally instead).
             text = self._decode(seq.output_token_ids) if finished else ""
-            if isinstance(seq.stop_reason, str):
-                text = text[: text.find(seq.stop_reason)]
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=seq.output_token_ids,
-                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                    finish_reason=seq.status.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    error=seq.error,
-                )
-            )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=request.metrics,
-        )
+            stop_reason = seq.stop_reason
+            if isinstance(stop_reason, str):
+                text = text[: text.find(stop_reason)]
+            logprobs = seq.logprobs
+            # positional: CompletionOutput(index, text, token_ids, cumulative_logprob, logprobs, finish_reason,
+            # stop_reason, error); the token and logprob lists are copies, so an output is a snapshot
+            completions.append(CompletionOutput(
+                seq.index, text, seq.token_ids[seq.num_prompt_tokens :],
+                seq.cumulative_logprob if logprobs is not None else None,
+                list(logprobs) if logprobs is not None else None,
+                seq.status.finish_reason, stop_reason, seq.error,
+            ))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+                             request.metrics)
 
 
 def _with_pending_forks(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:

@@ -195,7 +195,7 @@ class ModelRunner:
         seqs = out.seqs
         S = len(seqs)
         counts = np.fromiter(out.num_scheduled_tokens, dtype=np.int64, count=S)
-        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=S)
+        starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=S)
         T = int(counts.sum())
         assert T <= self.max_num_tokens and S <= self.max_num_seqs, (T, S, self.max_num_tokens, self.max_num_seqs)
         seq_lens = starts + counts
@@ -217,16 +217,21 @@ class ModelRunner:
         block_size = self.cache.block_size
         tables = self.cache.block_manager.block_tables
         seq_tables = [tables[seq.seq_id] for seq in seqs]
-        width = max(map(len, seq_tables))
+        lens = np.fromiter(map(len, seq_tables), dtype=np.int64, count=S)
+        width = int(lens.max())
         assert width <= self.max_num_blocks_per_seq, (width, self.max_num_blocks_per_seq)
         bt = self.block_tables_np[: S * width].reshape(S, width)
-        for i, table in enumerate(seq_tables):
-            bt[i, : len(table)] = table
+        # NOTE: all tables in one pass (the entries flattened, then scattered to (row, column)) instead of
+        # one numpy assignment per sequence, whose fixed cost dominates at a few hundred sequences.
+        total = int(lens.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(seq_tables), dtype=np.int32, count=total)
+        row_starts = np.arange(S, dtype=np.int64) * width
+        bt.reshape(-1)[np.arange(total, dtype=np.int64) + np.repeat(row_starts - (np.cumsum(lens) - lens), lens)] = flat
         seq_index = np.repeat(np.arange(S), counts) if T != S else np.arange(S)
         self.slot_mapping_np[:T] = bt[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
         self.seq_lens_np[:S] = seq_lens
 
-        sampled = np.fromiter((out.samples(i) for i in range(S)), dtype=bool, count=S)
+        sampled = np.array(out.sample_mask, dtype=bool)
         num_sampled = int(sampled.sum())
         self.logits_indices_np[:num_sampled] = (qsl[1 : S + 1] - 1)[sampled]
         max_query_len = int(counts.max())
@@ -323,10 +328,9 @@ class ModelRunner:
         if not self.graphs:
             return None
         S = len(out.seqs)
-        if S > self.graph_sizes[-1] or any(n != 1 for n in out.num_scheduled_tokens):
+        # every sequence one token, and every one sampled (not a one-token chunk of a prompt)
+        if S > self.graph_sizes[-1] or out.num_scheduled_tokens.count(1) != S or not all(out.sample_mask):
             return None
-        if any(seq.num_computed_tokens + 1 != seq.num_tokens for seq in out.seqs):
-            return None  # a one-token chunk of a prompt: not sampled, so not a decode step
         for size in self.graph_sizes:
             if size >= S:
                 return size

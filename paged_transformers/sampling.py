@@ -21,6 +21,15 @@ class SampleResult:
     error: BaseException | None = None
 
 
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's samples, batched: rows in the order of the sequences given to ``Sampler.sample_tokens``."""
+
+    token_ids: list[int | None]  # the sampled token of each row; None for a failed row
+    errors: dict[int, BaseException]  # row -> the exception that failed it
+    logprobs: dict[int, tuple[float, dict[int, float]]]  # row -> (logprob of the token, {token_id: logprob})
+
+
 class Sampler:
     """Samples one token per sequence from a batch of logits.
 
@@ -38,15 +47,38 @@ class Sampler:
 
         A logits processor that raises, returns anything but a tensor of its input's shape
         ``[1, vocab_size]``, or leaves its row no finite logit, fails only its own row: that row's result
-        carries the exception.
+        carries the exception. ``sample_tokens`` returns the same, batched (what the engine uses).
+        """
+        out = self.sample_tokens(logits, seqs)
+        results = []
+        for i, token_id in enumerate(out.token_ids):
+            if i in out.errors:
+                results.append(SampleResult(None, error=out.errors[i]))
+            elif i in out.logprobs:
+                logprob, top_logprobs = out.logprobs[i]
+                results.append(SampleResult(token_id, logprob, top_logprobs))
+            else:
+                results.append(SampleResult(token_id))
+        return results
+
+    def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> "SamplerOutput":
+        """``sample`` without a result object per row: one token list for the batch (``SamplerOutput``).
+
+        NOTE: this runs once per step for every running sequence, and on a GPU everything after the
+        ``tolist()`` (the one sync of the step) leaves the device idle, so the per-row Python work is
+        kept to list comprehensions over attributes; rows are only touched when they need it.
         """
         logits = logits[:, : self.vocab_size]
-        want_logprobs = [seq.sampling_params.logprobs is not None for seq in seqs]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        params = [seq.sampling_params for seq in seqs]
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         errors: dict[int, BaseException] = {}
-        # NOTE: only rows with penalties, processors or an active min_tokens mask are touched: a per-row
-        # copy costs a kernel launch, which at a few hundred rows per step is milliseconds of host time.
-        rows = [i for i, seq in enumerate(seqs) if _needs_processing(seq)]
+        # NOTE: only rows with penalties, processors or an active min_tokens mask are touched (the rows that
+        # _process_row can change): a per-row copy costs a kernel launch, which at a few hundred rows per
+        # step is milliseconds of host time.
+        rows = [i for i, (seq, p) in enumerate(zip(seqs, params)) if (
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors
+            or len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens)]
         if rows:
             logits = logits.clone()
         for i in rows:
@@ -67,7 +99,6 @@ class Sampler:
             for i in errors:
                 logits[i] = 0.0
 
-        params = [seq.sampling_params for seq in seqs]
         # decided on the host: no device round trip when all greedy; only the sampled rows are drawn
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = logits.argmax(dim=-1)
@@ -77,23 +108,22 @@ class Sampler:
             token_ids[index] = self._draw(probs, [seqs[i] for i in sample_rows])
 
         token_list = token_ids.tolist()
-        results = []
-        for i, seq in enumerate(seqs):
+        for i in errors:
+            token_list[i] = None
+        logprobs = {}
+        for i in want_logprobs:
             if i in errors:
-                results.append(SampleResult(None, error=errors[i]))
                 continue
             tok = token_list[i]
-            result = SampleResult(tok)
-            if want_logprobs[i]:
-                row = raw_logprobs[i]
-                result.logprob = float(row[tok])
-                k = seq.sampling_params.logprobs
-                top = torch.topk(row, k) if k else None
-                result.top_logprobs = {tok: result.logprob}
-                if top is not None:
-                    result.top_logprobs.update(zip(top.indices.tolist(), top.values.tolist()))
-            results.append(result)
-        return results
+            row = raw_logprobs[i]
+            logprob = float(row[tok])
+            k = params[i].logprobs
+            top = torch.topk(row, k) if k else None
+            top_logprobs = {tok: logprob}
+            if top is not None:
+                top_logprobs.update(zip(top.indices.tolist(), top.values.tolist()))
+            logprobs[i] = (logprob, top_logprobs)
+        return SamplerOutput(token_list, errors, logprobs)
 
     def _process_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         """Penalties, processors and the min_tokens mask on one row ``[vocab_size]``."""
@@ -171,11 +201,3 @@ def _check_scores(scores, vocab_size: int, proc) -> None:
         got = f"shape {list(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"logits processor {proc!r} must return scores of shape [1, {vocab_size}] (as given), got {got}")
 
-
-def _needs_processing(seq: Sequence) -> bool:
-    """Whether ``Sampler._process_row`` can change this sequence's row (else it is skipped)."""
-    sp = seq.sampling_params
-    return bool(
-        sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty or sp.logits_processors
-        or seq.num_output_tokens < sp.min_tokens
-    )

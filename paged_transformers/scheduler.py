@@ -38,6 +38,15 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]  # seqs[i] computes tokens num_computed_tokens .. + num_scheduled_tokens[i]
     block_copies: list[BlockCopy]  # copy-on-write copies to make before the forward
     preempted: list[Sequence]  # sequences preempted while planning this step
+    # sample_mask[i]: seqs[i] catches up with its tokens this step, so its last row is sampled. Computed
+    # once at construction (when the sequences' num_computed_tokens are the step's) for the runner, the
+    # engine and update_from_output; pass None to have it computed.
+    sample_mask: list[bool] | None = None
+
+    def __post_init__(self):
+        if self.sample_mask is None:
+            mask = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(self.seqs, self.num_scheduled_tokens)]
+            object.__setattr__(self, "sample_mask", mask)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -46,8 +55,7 @@ class SchedulerOutput:
 
     def samples(self, i: int) -> bool:
         """Whether ``seqs[i]`` catches up with its tokens this step, so its last row is sampled."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_scheduled_tokens[i] == seq.num_tokens
+        return self.sample_mask[i]
 
 
 class Scheduler:
@@ -87,28 +95,33 @@ class Scheduler:
         copies: list[BlockCopy] = []
         preempted: list[Sequence] = []
 
+        # NOTE: the loop below runs for every running sequence at every step: locals, and the block
+        # manager's own fast path for a decode token that lands in a block the sequence holds.
+        allocate_slots = self.block_manager.allocate_slots
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            granted = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            granted = allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             while granted is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
-                granted = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+                granted = allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             if granted is None:
                 break
             seqs.append(seq)
             counts.append(num_new)
-            copies.extend(granted)
+            if granted:
+                copies.extend(granted)
             budget -= num_new
             i += 1
 
         # NOTE: no admissions in a step that had to preempt: the pool is full.
-        seats = sum(1 + len(s.pending_forks) for s in self.running)  # n > 1: forks hold their seats early
+        seats = len(self.running) + sum(len(s.pending_forks) for s in self.running if s.pending_forks)  # n > 1: forks hold their seats early
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + 1 + len(seq.pending_forks) > self.config.max_num_seqs:
@@ -179,22 +192,33 @@ class Scheduler:
             The sequences that finished in this step; their blocks are already freed.
         """
         finished = []
-        for i, (seq, num_new) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            forks = seq.pending_forks if out.samples(i) else []
+        caching = self.config.enable_prefix_caching
+        bm = self.block_manager
+        block_size = bm.block_size
+        num_hashed = bm.num_hashed_blocks
+        check_stop = self.check_stop
+        for seq, num_new, samples in zip(out.seqs, out.num_scheduled_tokens, out.sample_mask):
+            forks = seq.pending_forks if samples else None
             if forks:
                 seq.pending_forks = []
-            if seq.is_finished:  # aborted during the step, or its sampling failed
-                finished += self._start_forks(seq, forks, sampled)
+            if seq.status.is_finished:  # aborted during the step, or its sampling failed
+                if forks:
+                    finished += self._start_forks(seq, forks, sampled)
                 continue
             seq.num_computed_tokens += num_new
-            if self.config.enable_prefix_caching:
-                bm = self.block_manager
-                bm.cache_full_blocks(seq.seq_id, extend_block_hashes(seq.block_hashes, seq.token_ids, bm.block_size),
+            # only when a block filled up since the last offer (cache_full_blocks would do nothing else)
+            if caching and seq.num_computed_tokens // block_size > num_hashed.get(seq.seq_id, 0):
+                bm.cache_full_blocks(seq.seq_id, extend_block_hashes(seq.block_hashes, seq.token_ids, block_size),
                                      seq.num_computed_tokens)
-            finished += self._start_forks(seq, forks, sampled)
-            if seq.seq_id not in sampled:
+            if forks:
+                finished += self._start_forks(seq, forks, sampled)
+            token_id = sampled.get(seq.seq_id)
+            if token_id is None:
                 continue
-            if self._append_token(seq, sampled[seq.seq_id]):
+            seq.token_ids.append(token_id)  # _append_token, inlined for the per-sequence loop
+            status = check_stop(seq)
+            if status is not None:
+                self.finish(seq, status)
                 finished.append(seq)
         return finished
 

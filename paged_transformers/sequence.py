@@ -11,25 +11,29 @@ from .sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     """Where a sequence is. ``is_finished`` is the terminal test."""
 
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH = enum.auto()
-    FINISHED_ABORTED = enum.auto()
+    # NOTE: explicit values, the finished ones after the live ones: ``is_finished`` is read for every
+    # sequence at every step, and comparing the value avoids Enum's Python-level ``__hash__``.
+    WAITING = 1
+    RUNNING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
 
     @property
     def is_finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+        return self._value_ >= 3
 
     @property
     def finish_reason(self) -> str | None:
         """``"stop"``, ``"length"``, ``"abort"``, or None while unfinished (vLLM's strings)."""
-        return {
-            SequenceStatus.FINISHED_STOPPED: "stop",
-            SequenceStatus.FINISHED_LENGTH: "length",
-            SequenceStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self._value_)
 
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED.value: "stop",
+    SequenceStatus.FINISHED_LENGTH.value: "length",
+    SequenceStatus.FINISHED_ABORTED.value: "abort",
+}
 
 _seq_ids = itertools.count()
 
