@@ -706,9 +706,8 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     sms = _num_sms(device)
     wide, tall = N >= 2 * K, K >= 2 * N
     k_iters = -(-K // 128)
-    if M == 1:
-        bn, warps, per_sm = (256, 8, 4) if tall else (128, 4, 2 if wide else 8)
-        return W4A16Config(1, bn, 128, split_k_for(-(-N // bn), k_iters, sms, per_sm), warps, 3, W4A16Algo.FMA)
+    if M == 1 and group_size % 8 == 0:  # a group of whole int32 words for 4 and 8 bits (the GEMV's layout)
+        return W4A16Config(1, 1024, 32, split_k_for(-(-N // 1024), -(-K // 32), sms, 2), 8, 1, W4A16Algo.GEMV)
     if M <= 16:
         bn = 128 if wide or tall else 64
         algo = W4A16Algo.DOT_SWAP if M > 4 and not (wide or tall) else W4A16Algo.DOT
