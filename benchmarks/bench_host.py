@@ -3,7 +3,7 @@
 A tiny random-weight Llama (hidden 64, 1 layer, vocab 32,000 so the sampler sees a realistic vocabulary)
 runs ``--num-requests`` requests that all stay in the batch (fixed output length, EOS ignored), so every
 measured step is a decode step of ``num_requests`` sequences. Each engine step's wall time is split
-into phases by wrapping the engine's methods on the instance (``time.perf_counter``):
+into phases (medians over the measured steps) by wrapping the engine's methods on the instance (``time.perf_counter``):
 
     schedule   Scheduler.schedule
     prepare    ModelRunner.prepare (metadata packing; copies are host -> host on CPU)
@@ -186,9 +186,11 @@ def measure(workload: str, args) -> dict:
     if profiler is not None:
         stats = pstats.Stats(profiler, stream=sys.stderr)
         stats.sort_stats("tottime").print_stats(args.profile)
-    keys = PHASES + ("step", "sample_compute")
-    mean = {k: 1e3 * statistics.mean(s[k] for s in steps) for k in keys}
-    mean["host"] = mean["step"] - mean["forward"] - mean["sample_compute"]
+    for s in steps:
+        s["host"] = s["step"] - s["forward"] - s["sample_compute"]
+    keys = PHASES + ("step", "sample_compute", "host")
+    # medians: a shared 2-core machine adds spikes (other processes, GC) that a mean would carry
+    mean = {k: 1e3 * statistics.median(s[k] for s in steps) for k in keys}
     checksum = sum(sum(t) * (i + 1) for i, t in enumerate(outputs[str(r)] for r in range(args.num_requests)))
     return {"workload": workload, "num_steps": len(steps), "ms_per_step": mean, "token_checksum": checksum}
 
@@ -249,7 +251,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     cols = PHASES + ("sample_compute", "step", "host")
-    print(f"\nms per decode step at {args.num_requests} sequences (means over measured steps; host = step - forward - sample_compute)")
+    print(f"\nms per decode step at {args.num_requests} sequences (medians over measured steps; host = step - forward - sample_compute)")
     print(f"{'run':<18} {'workload':<8} " + " ".join(f"{c:>9}" for c in cols) + "  checksum")
     for name, res in runs.items():
         for r in res:

@@ -230,3 +230,33 @@ def test_engine_step_invariants_with_sampling(llama):
             check_block_invariants(engine)
         bm = engine.cache.block_manager
         assert finished == len(PROMPTS) and bm.num_free_blocks == bm.num_blocks
+
+
+def test_sample_tokens_batch_matches_a_torch_reference_and_sample():
+    """``Sampler.sample_tokens`` (what the engine calls): greedy rows are the argmax, a failing processor
+    fails only its row (token None), logprobs rows carry log_softmax of the raw logits; ``sample`` agrees
+    row by row."""
+    from paged_transformers.sampling import Sampler
+    from paged_transformers.sequence import Sequence
+
+    def broken(input_ids, scores):
+        raise RuntimeError("boom")
+
+    vocab = 50
+    logits = torch.randn(4, vocab + 3, generator=torch.Generator().manual_seed(0))  # 3 padding columns
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=3),
+              SamplingParams(temperature=0, logits_processors=[broken]), SamplingParams(temperature=0)]
+    seqs = [Sequence(str(i), 0, [1, 2], sp) for i, sp in enumerate(params)]
+    sampler = Sampler(set(), vocab)
+    out = sampler.sample_tokens(logits, seqs)
+    expected = logits[:, :vocab].argmax(dim=-1).tolist()
+    assert out.token_ids == [expected[0], expected[1], None, expected[3]]
+    assert list(out.errors) == [2] and isinstance(out.errors[2], RuntimeError)
+    ref = torch.log_softmax(logits[1, :vocab], dim=-1)
+    logprob, top = out.logprobs[1]
+    assert list(out.logprobs) == [1] and logprob == pytest.approx(float(ref[expected[1]]))
+    assert sorted(top) == sorted(set(ref.topk(3).indices.tolist()) | {expected[1]})
+    results = sampler.sample(logits, seqs)
+    assert [r.token_id for r in results] == out.token_ids
+    assert isinstance(results[2].error, RuntimeError)
+    assert results[1].top_logprobs == top and results[0].top_logprobs is None
