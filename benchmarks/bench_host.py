@@ -50,14 +50,14 @@ def _import_from(root: str) -> None:
     """Make ``import paged_transformers`` load the tree at ``root`` (kernels/ and patches/ mapped into it as
     the install does), ahead of the editable install's finder."""
 
-    class Finder:
-        MAPPING = {"paged_transformers": os.path.join(root, "paged_transformers"),
-                   "paged_transformers.kernels": os.path.join(root, "kernels"),
-                   "paged_transformers.patches": os.path.join(root, "patches")}
+    mapping = {"paged_transformers": os.path.join(root, "paged_transformers"),
+               "paged_transformers.kernels": os.path.join(root, "kernels"),
+               "paged_transformers.patches": os.path.join(root, "patches")}
 
-        @classmethod
-        def find_spec(cls, fullname, path=None, target=None):
-            where = cls.MAPPING.get(fullname)
+    class Finder:
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            where = mapping.get(fullname)
             if where is None:
                 return None
             return importlib.util.spec_from_file_location(
@@ -84,7 +84,7 @@ def _wrap(obj, name: str, totals: dict, phase: str) -> None:
 def _sampling_params(workload: str, i: int, output_len: int):
     from paged_transformers import SamplingParams
 
-    common = dict(max_tokens=output_len, ignore_eos=True)
+    common = {"max_tokens": output_len, "ignore_eos": True}
     if workload == "greedy" or i % 4 == 0:
         return SamplingParams(temperature=0.0, **common)
     if i % 4 == 1:
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
                 subprocess.check_call(["git", "worktree", "remove", "--force", tree], cwd=repo)
         runs[f"baseline {rev}"] = json.loads(text.split("JSON:", 1)[1])
 
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True, capture_output=True,
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True, capture_output=True, check=False,
                           cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     report = {"command": " ".join(["python", "benchmarks/bench_host.py"] + (argv or sys.argv[1:])),
               "date": time.strftime("%Y-%m-%d"), "head": head, "machine": platform.processor() or platform.machine(),
