@@ -62,9 +62,15 @@ class PagedCache(Cache):
         self.key_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_layers = num_layers
+        self.device = torch.device(device)
         # generate() state (see the module docstring); untouched by the engine.
         self._rows: _GenerateRows | None = None
         self._pad_hint: list[int] | None = None
+
+    def release(self) -> None:
+        """Drop the K/V tensors (``LLMEngine.close``): their memory can go back to the device. The block
+        manager, with its counters, stays; the cache holds no K/V afterwards."""
+        self.key_cache, self.value_cache = [], []
 
     @classmethod
     def from_model(

@@ -136,14 +136,21 @@ class LLMEngine:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Give the model its previous attention implementation back. Unfinished requests are aborted;
-        the engine cannot be used afterwards."""
+        """Give the model its previous attention implementation (and eager, unfused layers) back and free
+        the KV cache and the CUDA graphs' memory. Unfinished requests are aborted; the engine cannot be
+        used afterwards (``stats()`` still reads its counters)."""
         self.closed = True
         for request_id in list(self.requests):
             self.abort_request(request_id)
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.uncompile()
+            runner.release()
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            cache.release()
+        if torch.cuda.is_available() and cache is not None and cache.device.type == "cuda":
+            torch.cuda.empty_cache()  # the KV pool (gpu_memory_utilization of the device) goes back to the device
         for hook in self._step_hooks:
             hook.remove()
         self._step_hooks = []

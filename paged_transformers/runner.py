@@ -322,6 +322,12 @@ class ModelRunner:
             unfuse_projections(self.fusion)
             self.fusion = None
 
+    def release(self) -> None:
+        """Drop the captured CUDA graphs (and their memory pool) and the cache reference (engine close)."""
+        self.graphs.clear()
+        self.graph_logits.clear()
+        self.cache = None
+
     # -- CUDA graphs --------------------------------------------------------------------------------
     def _bucket(self, out: SchedulerOutput) -> int | None:
         """The graph bucket for ``out`` if it is a decode-only step that a captured graph can run."""

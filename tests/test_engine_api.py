@@ -85,6 +85,9 @@ def test_close_aborts_and_restores_attention(llama):
     assert llama.config._attn_implementation == before
     assert not engine.has_unfinished_requests()
     assert_pool_whole(engine)
+    # the K/V tensors are dropped (on CUDA their memory goes back to the device); the counters stay readable
+    assert engine.cache.key_cache == [] and engine.cache.value_cache == [] and engine.runner.cache is None
+    assert engine.stats().num_used_blocks == 0
     # The model still works as a plain transformers model afterwards.
     assert stock_greedy(llama, PROMPTS[0], 3)[0] == paged_generate(llama, [PROMPTS[0]], greedy(3), use_tqdm=False)[0].outputs[0].token_ids
 
