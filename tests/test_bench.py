@@ -2,9 +2,13 @@
 tiny end-to-end run of all three engines (torch attention backend). Speed is measured on the GPU, never here."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from paged_transformers import bench
 from paged_transformers.cli import main as cli_main
@@ -60,12 +64,25 @@ def test_ratios_side_by_side():
     assert r["paged_vs_hf_cb"]["other_num_requests"] == 4
 
 
+def _run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """The CLI in this process; on a CUDA machine in a subprocess that sees no GPU. This test is the CPU bench,
+    and there transformers' continuous batching of the CPU model failed with a CUDA out-of-memory error inside
+    the GPU test session (issue 4; cause not established), which is not what this test is about."""
+    if not torch.cuda.is_available():
+        status = cli_main(argv)
+        return status, capsys.readouterr().out
+    code = f"import sys; from paged_transformers.cli import main; sys.exit(main({argv!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, check=False)
+    return proc.returncode, proc.stdout
+
+
 def test_bench_command_writes_the_report(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    status = cli_main(["bench", "--model", "tiny-llama", "--dtype", "float32", "--device", "cpu",
-                       "--num-requests", "6", "--input-len-range", "4", "24", "--output-len-range", "1", "6",
-                       "--compare", "hf-generate,hf-cb", "--compare-num-requests", "4", "--hf-batch-size", "2",
-                       "--attention-backend", "torch", "--output-json", str(out)])
+    status, printed = _run_cli(["bench", "--model", "tiny-llama", "--dtype", "float32", "--device", "cpu",
+                                "--num-requests", "6", "--input-len-range", "4", "24", "--output-len-range", "1", "6",
+                                "--compare", "hf-generate,hf-cb", "--compare-num-requests", "4", "--hf-batch-size", "2",
+                                "--attention-backend", "torch", "--output-json", str(out)], capsys)
     assert status == 0
     report = json.loads(out.read_text())
     for key in ("versions", "device", "workload", "engine_config", "engines", "roofline", "ratios"):
@@ -89,4 +106,4 @@ def test_bench_command_writes_the_report(tmp_path, capsys):
     ratio = report["ratios"]["paged_vs_hf_generate"]["output_tokens_per_s"]
     assert ratio == pytest.approx(paged["output_tokens_per_s"] / report["engines"]["hf_generate"]["output_tokens_per_s"])
     assert np.isfinite(paged["tpot_s"]["p99"])
-    assert "paged_vs_hf_cb" in capsys.readouterr().out  # the table is printed
+    assert "paged_vs_hf_cb" in printed  # the table is printed
