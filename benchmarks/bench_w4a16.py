@@ -43,18 +43,16 @@ A = k.W4A16Algo
 
 
 def sweep_configs(M: int, N: int, K: int, sms: int, device: torch.device) -> list[tuple[str, k.W4A16Config]]:
-    """A few alternatives to the default per (M, N, K): the round-1 runners-up and, for the GEMV, one K
-    step per program vs several (the round-2 prefetch), 2/4/8 programs per SM."""
+    """A few alternatives to the default per (M, N, K): the round-1 runners-up and, at M = 1, the round-3 GEMV
+    runners-up (narrower tiles, more programs per SM, the hand prefetch) and the tensor-core path."""
 
     def split(bm, bn, bk, per_sm=4):
         return k.split_k_for(-(-M // bm) * -(-N // bn), -(-K // bk), sms, per_sm)
 
     out = []
     if M == 1:
-        for bn, w in ((128, 4), (256, 8)):
-            for per_sm in (2, 4, 8):
-                out.append(k.W4A16Config(1, bn, 128, split(1, bn, 128, per_sm), w, 3, A.FMA))
-            out.append(k.W4A16Config(1, bn, 128, -(-K // 128), w, 3, A.FMA))  # one K step per program
+        for bn, bk, w, pf, per_sm in ((512, 32, 4, False, 4), (1024, 32, 8, False, 4), (512, 64, 4, True, 4)):
+            out.append(k.W4A16Config(1, bn, bk, split(1, bn, bk, per_sm), w, 1, A.GEMV, prefetch=pf))
         out.append(k.W4A16Config(16, 64, 128, split(16, 64, 128), 4, 3, A.DOT))
     elif M <= 64:
         bm = 16 if M <= 16 else 64
@@ -114,15 +112,15 @@ def check_correctness(device) -> list[dict]:
     case("fp16 activations", 16, 4096, 4096, 4, 128, dtype=torch.float16)
     case("fp16 activations M=256", 256, 4096, 4096, 4, 128, dtype=torch.float16)
     # every algo off the tile grid: per-channel K = 4104, group 32 with bias, 8-bit, fp16
-    for cfg in (k.W4A16Config(1, 128, 128, 4, algo=A.FMA), k.W4A16Config(1, 128, 128, 33, algo=A.FMA),
+    for cfg in (k.W4A16Config(1, 1024, 32, 4, 8, 1, A.GEMV), k.W4A16Config(1, 512, 64, 33, 4, 1, A.GEMV, prefetch=True),
                 k.W4A16Config(16, 64, 128, 4, algo=A.DOT), k.W4A16Config(16, 64, 128, 4, algo=A.DOT_SWAP),
                 k.W4A16Config(128, 128, 128, 1, 8, algo=A.DOT), k.W4A16Config(64, 128, 128, 1, 4, algo=A.DOT_SWAP),
                 k.W4A16Config(16, 128, 128, 1, algo=A.DEQUANT_MATMUL)):
-        M = {A.FMA: cfg.block_m}.get(cfg.algo, 3 if cfg.block_m == 16 else 200)
+        M = 1 if cfg.algo == A.GEMV else 3 if cfg.block_m == 16 else 200
         case(f"{cfg} per-channel K=4104", M, 4104, 1000, 4, 4104, config=cfg)
         case(f"{cfg} group 32, bias", M, 4096, 1000, 4, 32, config=cfg, bias=True)
         case(f"{cfg} fp16", M, 4096, 1024, 4, 128, dtype=torch.float16, config=cfg)
-        cfg8 = k.W4A16Config(cfg.block_m, cfg.block_n, 64, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.algo)
+        cfg8 = k.W4A16Config(cfg.block_m, cfg.block_n, 64, cfg.split_k, cfg.num_warps, cfg.num_stages, cfg.algo, cfg.prefetch)
         case(f"{cfg8} 8-bit", M, 4096, 1024, 8, 128, config=cfg8)
     # CUDA-graph capture of the default (split-K) path, as QuantLinear runs inside captured decode graphs
     try:

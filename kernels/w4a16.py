@@ -21,10 +21,10 @@ unpacks it field by field, without a reshape (which costs a layout conversion th
 every step): field ``j`` is the ``[BLOCK_K // pack, BLOCK_N]`` tile of input rows ``k0 + i * pack + j``,
 paired with those x columns (a stride-``pack`` load of x, tiny and cached). Int -> float is the
 magic-number trick (``_field_magic``: OR the field into the mantissa of 2**23, no I2F), exact in fp32.
-``W4A16Algo`` names the variants: broadcast-FMA GEMV (``M = 1``) with a 2-D accumulator reduced once
-after the K loop, the zero point/scale folded per tile (``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)``)
-and the next K step's weights prefetched by hand, ``tl.dot`` per field (``DOT``), the same with the
-weight as left operand (``DOT_SWAP``), and dequantize + cuBLAS (``DEQUANT_MATMUL``).
+``W4A16Algo`` names the variants: the ``M = 1`` GEMV (``GEMV``, its own kernel ``_gemv_kernel_fn``: a 1-D
+fp32 accumulator, the zero point folded into the per-field magic-number FADD, bf16 x read as int32 pairs),
+``tl.dot`` per field (``DOT``), the same with the weight as left operand (``DOT_SWAP``), and dequantize +
+cuBLAS (``DEQUANT_MATMUL``). ``default_config`` picks one per shape (its table has the H200 numbers).
 Sources of the tricks: FasterTransformer / Marlin (magic-number dequant), exllama (dequant + GEMM for
 large batches), CUTLASS (serial split-K).
 
@@ -144,29 +144,29 @@ def w4a16_matmul_ref(
 class W4A16Algo(enum.Enum):
     """How a program turns its packed ``[BLOCK_K // pack, BLOCK_N]`` tile into output (module docstring).
 
-    * ``FMA``: per-field unpack, broadcast FMAs into a 2-D fp32 accumulator ``[BLOCK_K // pack, BLOCK_N]``
-      that is reduced once after the K loop (the GEMV: ``block_m`` must be 1);
     * ``DOT``: per-field unpack, ``tl.dot(x_j [BLOCK_M, BLOCK_K // pack], w_j [BLOCK_K // pack, BLOCK_N])``
       for each field j;
     * ``DOT_SWAP``: as ``DOT`` with the product transposed, ``tl.dot(w_j^T, x_j^T)``, so the dequantized
       weight is the left (register-sourced) MMA operand and ``BLOCK_M`` is the MMA's small N;
     * ``GEMV``: the M = 1 kernel of round 3 (``_gemv_kernel_fn``): a 1-D accumulator, the zero point folded into
-      the per-field FADD of the magic number, x read as bf16 pairs, no masks on even shapes; candidate, not a
-      default until measured (``W4A16Config.prefetch``/``fold_exp`` select its variants);
+      the per-field FADD of the magic number, x read as bf16 pairs, no masks on even shapes; the M = 1 default
+      (``block_m`` must be 1; ``W4A16Config.prefetch``/``fold_exp`` select its variants);
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer,
       then ``torch.matmul`` (cuBLAS), as exllama does for large batches.
+
+    Removed after the H200 measurements of round 3 (issue 7): ``FMA``, the round-1/2 broadcast-FMA GEMV (the
+    ``GEMV`` kernel beat it on every shape at M = 1), and ``TILED``, a fused GEMM for prefill-sized M (one
+    dequantized ``[BLOCK_K, BLOCK_N]`` tile + one wgmma per K step; ``default_config``'s NOTE has its numbers).
     """
 
-    FMA = "fma"
     GEMV = "gemv"
     DOT = "dot"
     DOT_SWAP = "dot_swap"
     DEQUANT_MATMUL = "dequant_matmul"
-    TILED = "tiled"  # kernels/w4a16_tiled.py: one dequantized [BLOCK_K, BLOCK_N] tile, one tl.dot per K step
 
 
-# the kernel's ALGO constexpr
-_ALGO_ID = {W4A16Algo.FMA: 0, W4A16Algo.DOT: 1, W4A16Algo.DOT_SWAP: 2}
+# the kernel's ALGO constexpr (0 was the removed FMA GEMV: the ids stay as measured)
+_ALGO_ID = {W4A16Algo.DOT: 1, W4A16Algo.DOT_SWAP: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,54 +264,33 @@ if triton is not None:
         from ``k0 // PACK``) holds input rows ``k0 + i * PACK + j`` and is paired with those x columns (a
         stride-PACK load of x, which is tiny and stays in L1).
 
-        ``acc``: fp32 ``[BKP, BLOCK_N]`` (FMA, ``BLOCK_M = 1``: reduced over its rows after the K loop),
-        ``[BLOCK_N, BLOCK_M]`` (DOT_SWAP), ``[BLOCK_M, BLOCK_N]`` (DOT). Returns the updated ``acc``.
+        ``acc``: fp32 ``[BLOCK_N, BLOCK_M]`` (DOT_SWAP), ``[BLOCK_M, BLOCK_N]`` (DOT). Returns the updated ``acc``.
         """
         PACK: tl.constexpr = 32 // BITS
         LOW: tl.constexpr = 23 // BITS
-        BKP: tl.constexpr = BLOCK_K // PACK
         ONE_GROUP: tl.constexpr = GROUP_SIZE % BLOCK_K == 0  # the tile lies in one group: one scale row
         hi = (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # fields that do not fit in place
         if ONE_GROUP:
             g = k0 // GROUP_SIZE
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
             z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
-        if ALGO == 0:  # FMA, in 2-D so that every tensor keeps the layout of the weight load
-            part = tl.zeros([BKP, BLOCK_N], dtype=tl.float32)
-            xsum = tl.zeros([BKP], dtype=tl.float32)
         for J in tl.static_range(PACK):
             E = BITS * J - 16 * (J // LOW)  # constexpr: see _field_magic
             kk = k0 + offs_kp * PACK + J  # [BKP] input rows of field J
-            if ALGO == 0:  # FMA: x_j * 2**-E * w; zero point and scale applied once per tile below
-                if ONE_GROUP:
-                    # NOTE: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k): only scalars meet the tile in
-                    # the field loop (per-column vectors there cost a shared-memory layout conversion each)
-                    w = _field_magic(p, hi, J, BITS) - 8388608.0  # q * 2**E
-                else:
-                    s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
-                    w = (_field_magic(p, hi, J, BITS) - _zero_magic(z, J, BITS)) * s  # (q - z) * s * 2**E
-                xj = tl.load(x_ptr + offs_m * stride_xm + kk, mask=mask_m & (kk < K), other=0.0).to(tl.float32)  # [BKP]
-                part += (xj * (1.0 / (1 << E)))[:, None] * w  # exact scaling by 2**-E
-                xsum += xj
-            else:
-                if ONE_GROUP:
-                    zc = _zero_magic(z, J, BITS)[None, :]
-                    sj = (s * (1.0 / (1 << E)))[None, :]
-                else:
-                    s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
-                    zc = _zero_magic(z, J, BITS)
-                    sj = s * (1.0 / (1 << E))
-                wq = ((_field_magic(p, hi, J, BITS) - zc) * sj).to(x_ptr.dtype.element_ty)  # [BKP, BLOCK_N], exact until the cast
-                if ALGO == 1:  # DOT
-                    xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
-                    acc += tl.dot(xj, wq)
-                else:  # DOT_SWAP: [BLOCK_N, BKP] @ [BKP, BLOCK_M]
-                    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < K), other=0.0)
-                    acc += tl.dot(tl.trans(wq), xt)
-        if ALGO == 0:
             if ONE_GROUP:
-                part = (part - xsum[:, None] * z[None, :]) * s[None, :]
-            acc += part
+                zc = _zero_magic(z, J, BITS)[None, :]
+                sj = (s * (1.0 / (1 << E)))[None, :]
+            else:
+                s, z = _group_rows(s_ptr, z_ptr, kk, offs_n, mask_n, N, K, GROUP_SIZE)
+                zc = _zero_magic(z, J, BITS)
+                sj = s * (1.0 / (1 << E))
+            wq = ((_field_magic(p, hi, J, BITS) - zc) * sj).to(x_ptr.dtype.element_ty)  # [BKP, BLOCK_N], exact until the cast
+            if ALGO == 1:  # DOT
+                xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask_m[:, None] & (kk[None, :] < K), other=0.0)
+                acc += tl.dot(xj, wq)
+            else:  # DOT_SWAP: [BLOCK_N, BKP] @ [BKP, BLOCK_M]
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < K), other=0.0)
+                acc += tl.dot(tl.trans(wq), xt)
         return acc
 
     def _w4a16_kernel_fn(
@@ -335,7 +314,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
-        ALGO: tl.constexpr,  # 0 FMA, 1 DOT, 2 DOT_SWAP (_ALGO_ID)
+        ALGO: tl.constexpr,  # 1 DOT, 2 DOT_SWAP (_ALGO_ID)
     ):
         PACK: tl.constexpr = 32 // BITS
         tl.static_assert(BLOCK_K % PACK == 0)
@@ -358,32 +337,16 @@ if triton is not None:
         mask_m = offs_m < M
         mask_n = offs_n < N
 
-        if ALGO == 0:
-            acc = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
-        elif ALGO == 2:
+        if ALGO == 2:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if ALGO == 0:
-            # NOTE: Triton's pipeliner only stages loads that feed tl.dot, and in the sm_90 SASS of a plain FMA
-            # loop ptxas issues the tile's 16-byte loads interleaved with the FMAs that use them: every K step
-            # waited out DRAM latency 2-3 times with one program or two per SM (round 1: 55 us where one K step
-            # per program gave 15). So the GEMV prefetches by hand: step it+1's tile is loaded before step it is
-            # computed, and stays in flight during it.
-            p = _load_packed(qw_ptr, it_start, it_end, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K)
-            for it in range(it_start, it_end):
-                p_next = _load_packed(qw_ptr, it + 1, it_end, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K)
-                acc = _tile_per_field(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m, mask_n,
-                                      N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, ALGO)
-                p = p_next
-            acc = tl.sum(acc, axis=0)[None, :]  # the one cross-thread reduction of the GEMV
-        else:
-            for it in range(it_start, it_end):  # the loads feed tl.dot: Triton's pipeliner stages them
-                p = _load_packed(qw_ptr, it, it_end, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K)
-                acc = _tile_per_field(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m, mask_n,
-                                      N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, ALGO)
-            if ALGO == 2:
-                acc = tl.trans(acc)
+        for it in range(it_start, it_end):  # the loads feed tl.dot: Triton's pipeliner stages them
+            p = _load_packed(qw_ptr, it, it_end, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K)
+            acc = _tile_per_field(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_m, offs_n, offs_kp, mask_m, mask_n,
+                                  N, K, stride_xm, BITS, GROUP_SIZE, BLOCK_N, BLOCK_K, ALGO)
+        if ALGO == 2:
+            acc = tl.trans(acc)
 
         _write_tile(acc, offs_m, offs_n, mask_m, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid, N, stride_om,
                     HAS_BIAS, SPLIT_K)
@@ -426,7 +389,7 @@ if triton is not None:
         As ``_field_magic``, the field stays at bit ``E`` (fields 0 .. ``23 // BITS - 1`` in ``p``, the rest in
         ``hi = p >>> 16``), but it is OR-ed into the exponent of ``2**(23 - E)`` instead of ``2**23``, so its
         lowest bit weighs 1: one FADD of ``-(2**(23 - E) + z)`` leaves ``q - z`` with no ``2**-E`` to fold
-        into x (an FMUL per x value in the FMA path).
+        into x (an FMUL per x value with ``FOLD_EXP`` off).
 
         Args: p, hi int32 ``[R, C]``. Returns: fp32 ``[R, C]``.
         """
@@ -566,7 +529,7 @@ if triton is not None:
         offs_kp = tl.arange(0, BLOCK_K // PACK)
         mask_n = offs_n < N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if PREFETCH:  # as the FMA path: step it+1's tile in flight while step it computes
+        if PREFETCH:  # step it+1's tile in flight while step it computes (Triton only pipelines loads that feed tl.dot)
             p = _gemv_load(qw_ptr, it_start, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
             for it in range(it_start, it_end):
                 # the last step re-loads its own tile (an L1/L2 hit) instead of masking every load
@@ -678,30 +641,41 @@ def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int
 
 
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> W4A16Config:
-    """The launch configuration used when none is given: the fastest of the H200 sweep of issue 7
-    round 1 (``benchmarks/results/w4a16_h200_round1.log``, group 128, bf16), as rules on the shape.
+    """The launch configuration used when none is given, as rules on the shape: the fastest of the H200 sweeps
+    of issue 7 (group 128, bf16; M = 1: round 3, ``bench_w4a16.py --variants gemv``; M >= 2: round 1, re-timed
+    in round 3).
 
     A weight is *square* when neither side is twice the other (4096 x 4096), *wide* when
     ``N >= 2K`` (gate/up projections, 4096 x 14336) and *tall* when ``K >= 2N`` (down projection,
-    14336 x 4096). Split-K comes from ``split_k_for`` with the programs per SM of each winner:
+    14336 x 4096). Split-K comes from ``split_k_for`` with the programs per SM of each rule. The times are
+    H200 device time per call on the CUDA-graph clock (``bench_w4a16.py --quick``, 2026-11-29, torch 2.11,
+    triton 3.6), with bf16 ``torch.matmul`` of the same shape in brackets:
 
-    ========  =============================================  ==========================================
-    M         square                                         wide / tall
-    ========  =============================================  ==========================================
-    1         FMA 1x128x128, 4 warps, 8 per SM (14.8 us)     wide: FMA 1x128x128, 4 warps, 2 per SM (30.1)
-                                                             tall: FMA 1x256x128, 8 warps, 4 per SM (32.4)
-    2 - 4     DOT 16x64x128, 4 per SM (17.3 us)              DOT 16x128x128, 4 per SM (39.0 / 36.5 us)
-    5 - 16    DOT_SWAP 16x64x128, 4 per SM (22.2 us)         DOT 16x128x128, 4 per SM (50.7 / 44.7 us)
-    > 16      DEQUANT_MATMUL 128x128 tiles (53.5 us)         the same (93.4 / 94.0 us)
-    ========  =============================================  ==========================================
+    ========  ========================================  ===============================================
+    M         square (4096 x 4096)                      wide (4096 x 14336) / tall (14336 x 4096)
+    ========  ========================================  ===============================================
+    1         GEMV 1x1024x32, 8 warps, 2 per SM:        the same: 18.0 us (30.6, 1.70x) /
+              7.8 us (bf16 12.4, 1.60x)                 17.8 us (31.4, 1.76x)
+    2 - 4     DOT 16x64x128, 4 per SM:                  DOT 16x128x128, 4 per SM: 33.2 (29.9, 0.90x) /
+              12.9 us at M = 4 (12.8, 0.99x)            30.1 (31.5, 1.05x)
+    5 - 16    DOT_SWAP 16x64x128, 4 per SM:             DOT 16x128x128, 4 per SM: 38.8 (30.3, 0.78x) /
+              16.9 us at M = 16 (13.1, 0.78x)           35.6 (32.0, 0.90x)
+    > 16      DEQUANT_MATMUL 128x128 tiles:             the same: 73.5 (31.1) / 77.4 (35.1) at M = 64,
+              20.7 / 25.9 us at M = 64 / 256            86.0 (45.8) / 90.9 (48.9) at M = 256
+              (11.5 / 16.9: 0.55x / 0.66x)              (0.42x-0.54x)
+    ========  ========================================  ===============================================
 
-    NOTE: round 1 timed eager calls, whose Python launch cost (~50 us) could show through the timer
-    (bimodal 15/55 us results); ``benchmarks/bench_w4a16.py`` now times CUDA-graph replays, and these
-    rules are to be re-checked against it. 17 <= M < 256 was not measured (DEQUANT_MATMUL's cuBLAS
-    GEMM is the safe side there).
+    ``M == 1`` with ``group_size % 8 != 0`` (a group that is not whole int32 words, which the GEMV needs) takes
+    the ``M <= 4`` rule. 17 <= M < 64 was not measured (DEQUANT_MATMUL's cuBLAS GEMM is the safe side there).
 
-    Args/Returns: the GEMM sizes (``x [M, K] @ W [K, N]``) and device -> a ``W4A16Config``.
-    ``group_size`` is accepted for future rules.
+    NOTE: a fused tiled GEMM for M = 16..1024 (one dequantized ``[BLOCK_K, BLOCK_N]`` tile and one wgmma per K
+    step, with unpack variants, a swapped variant and split-K; commit b41233e, results
+    ``benchmarks/results/w4a16_h200_round3_tiled.json``) was measured on the H200 against this dispatch: its
+    best config per point ran at 0.37-0.58x of bf16 where this dispatch ran at 0.42-0.91x, slower at 11 of the
+    12 (shape, M) points; the exception, 14336 x 4096 at M = 64 (61.5 us vs DEQUANT_MATMUL's 77.7, still 0.57x
+    of bf16), was one config of a 12-config sweep, not its default. It was removed with the round-1/2 FMA GEMV.
+
+    Args/Returns: the GEMM sizes (``x [M, K] @ W [K, N]``), the group size and the device -> a ``W4A16Config``.
     """
     sms = _num_sms(device)
     wide, tall = N >= 2 * K, K >= 2 * N
@@ -773,19 +747,14 @@ def w4a16_matmul(
     cfg = config or default_config(M, N, K, group_size, x.device)
     if cfg.block_k % pack:
         raise ValueError(f"config.block_k={cfg.block_k} must be a multiple of {pack}")
-    if cfg.algo in (W4A16Algo.FMA, W4A16Algo.GEMV) and cfg.block_m != 1:
-        raise ValueError(f"config {cfg}: the FMA GEMV needs block_m == 1")
+    if cfg.algo == W4A16Algo.GEMV and cfg.block_m != 1:
+        raise ValueError(f"config {cfg}: the GEMV needs block_m == 1")
     if cfg.algo == W4A16Algo.GEMV and (M != 1 or group_size % pack):
         raise ValueError(f"config {cfg}: the GEMV needs M == 1 (got {M}) and group_size % {pack} == 0 (got {group_size})")
     tensor_cores = cfg.algo in (W4A16Algo.DOT, W4A16Algo.DOT_SWAP)
     if x.is_cuda and tensor_cores and (cfg.block_m < 16 or cfg.block_k // pack < 16):
         raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16 and block_k // {pack} >= 16")
 
-    if cfg.algo == W4A16Algo.TILED:  # prefill-sized M; imported here because w4a16_tiled imports this module
-        from .w4a16_tiled import TiledConfig, w4a16_tiled_matmul
-
-        tiled = TiledConfig(cfg.block_m, cfg.block_n, cfg.block_k, 8, cfg.split_k, cfg.num_warps, cfg.num_stages, unpack=2)
-        return w4a16_tiled_matmul(x, qweight, scales, zeros, bits, group_size, bias, tiled)
     if cfg.algo == W4A16Algo.DEQUANT_MATMUL:
         # NOTE: a [K, N] scratch weight per call (from the caching allocator); meant for prefill-sized M
         w = torch.empty((K, N), dtype=x.dtype, device=x.device)

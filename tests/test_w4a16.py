@@ -46,18 +46,14 @@ def test_pack_unpack_and_dequantize_formula():
 
 A = k.W4A16Algo
 # (M, K, N, bits, group_size, config), one case per algo and group layout: K not a multiple of BLOCK_K,
-# per-channel (group = K), several groups per tile, one group spanning tiles, 8-bit, split-K with bias;
-# the FMA GEMV with several K steps per program (its hand prefetch, masked at the split's end).
+# per-channel (group = K), several groups per tile, one group spanning tiles, 8-bit, split-K with bias.
 CASES = [
-    (1, 256, 48, 4, 128, k.W4A16Config(1, 16, 128, 2, algo=A.FMA)),  # GEMV, one group per tile
-    (1, 264, 32, 4, 264, k.W4A16Config(1, 32, 128, 2, algo=A.FMA)),  # per-channel, K % BLOCK_K != 0
-    (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.FMA)),  # two groups per tile
-    (1, 512, 32, 4, 64, k.W4A16Config(1, 32, 64, 3, algo=A.FMA)),  # 8 K steps over 3 splits: 3, 3, 2
-    (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.FMA)),  # 8-bit
-    # round-3 GEMV: split-K + bias, per-channel K % BLOCK_K != 0 with the hand prefetch, groups smaller than the
-    # tile, 8-bit, and the _field_magic variant (fold_exp=False)
+    # GEMV: split-K + bias, per-channel K % BLOCK_K != 0 with the hand prefetch, 8 K steps over 3 splits (3, 3, 2:
+    # the prefetch clamped at each split's end), groups smaller than the tile, 8-bit, and the _field_magic
+    # variant (fold_exp=False)
     (1, 256, 48, 4, 128, k.W4A16Config(1, 16, 128, 2, algo=A.GEMV)),
     (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, prefetch=True)),
+    (1, 512, 32, 4, 64, k.W4A16Config(1, 32, 64, 3, algo=A.GEMV, prefetch=True)),
     (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.GEMV)),
     (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, fold_exp=False)),
     (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 128, 2, algo=A.DOT)),
@@ -121,9 +117,12 @@ def test_magic_number_fields_exact():
 
 
 def test_config_validation():
-    assert k.W4A16Config(1, 16, 64, algo="fma").algo is A.FMA
+    assert k.W4A16Config(1, 16, 64, algo="gemv").algo is A.GEMV
     with pytest.raises(ValueError, match="algo"):
         k.W4A16Config(1, 16, 64, algo="cutlass")
+    for removed in ("fma", "tiled"):  # removed in round 3 (slower than GEMV / dequantize + cuBLAS on the H200)
+        with pytest.raises(ValueError, match=removed):
+            k.W4A16Config(1, 16, 64, algo=removed)
     with pytest.raises(ValueError, match="positive"):
         k.W4A16Config(1, 16, 64, split_k=0)
     with pytest.raises(ValueError, match="reshape_fma"):
@@ -143,7 +142,7 @@ def test_kernel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="zeros"):
         k.w4a16_matmul(x, qweight, scales, zeros.int(), 4, 32)
     with pytest.raises(ValueError, match="block_m == 1"):
-        k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(2, 16, 64, algo=A.FMA))
+        k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(2, 16, 64, algo=A.GEMV))
     with pytest.raises(ValueError, match="M == 1"):
         k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(1, 16, 64, algo=A.GEMV))
 
@@ -159,6 +158,8 @@ def test_default_config_rules():
     assert str(k.default_config(16, 4096, 14336, 128, cpu)) == "dot 16x128x128 split17 w4 s3"
     assert str(k.default_config(16, 4096, 4096, 128, cpu)) == "dot_swap 16x64x128 split9 w4 s3"
     assert k.default_config(256, 4096, 4096, 128, cpu).algo is A.DEQUANT_MATMUL
+    # M = 1 with groups that are not whole int32 words cannot take the GEMV: the M <= 4 rule
+    assert str(k.default_config(1, 4096, 4096, 4, cpu)) == "dot 16x64x128 split9 w4 s3"
 
 
 def test_custom_op_is_one_node_under_torch_compile():
