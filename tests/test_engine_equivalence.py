@@ -14,7 +14,6 @@ compares each output with the reference up to the first step whose reference top
 """
 
 import pytest
-import torch
 
 from conftest import MAX_POSITIONS, TINY_ARCHS, assert_pool_whole, check_block_invariants, random_prompts, stock_greedy
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate

@@ -1,8 +1,6 @@
 """``pipeline("text-generation")`` on a patched model returns what stock returns (SmolLM2, fp32 CPU):
 6 prompts with batch_size 4, return_full_text, chat-message inputs; the batches run on the engine."""
 
-import pytest
-import torch
 from transformers import pipeline
 
 import paged_transformers

@@ -4,7 +4,6 @@ stock's text."""
 
 import threading
 
-import pytest
 import torch
 from transformers import TextIteratorStreamer
 
