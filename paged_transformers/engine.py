@@ -50,10 +50,10 @@ class LLMEngine:
 
     Raises:
         ValueError: ``engine_config`` not an ``EngineConfig`` or with a bad field (checked again here, so
-            a field changed after construction is caught too); the model's attention cannot be replaced
-            (names the model class); ``max_model_len``
-            over the model's ``max_position_embeddings``; a pool too small for one ``max_model_len``
-            sequence (with the numbers).
+            a field changed after construction is caught too); another engine is open on the model (one
+            engine per model at a time); the model's attention cannot be replaced (names the model class);
+            ``max_model_len`` over the model's ``max_position_embeddings``; a pool too small for one
+            ``max_model_len`` sequence (with the numbers).
 
     Examples:
         >>> import torch
@@ -78,6 +78,12 @@ class LLMEngine:
         # and one changed while the engine runs does not reach the scheduler.
         self.config = copy.copy(engine_config) if engine_config is not None else EngineConfig()
         self.config.validate()
+        if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME:
+            raise ValueError(
+                f"this model's attn_implementation is already {ATTENTION_NAME!r}: another LLMEngine (or paged_generate) "
+                "is open on it; close that engine first (one engine per model at a time), or switch the model back "
+                "with model.set_attn_implementation('sdpa')"
+            )
         self.closed = False
         self.model = model
         self.tokenizer = tokenizer

@@ -178,7 +178,8 @@ def fuse_projections(model: nn.Module) -> FusionHandle:
     bits, group size, dtypes and act-order permutation (their ``qweight``/``scales``/``zeros`` are laid out
     ``[.., out_features]``, so fusing is a concatenation along the last dim). Anything else (Phi-3's
     ``qkv_proj``, modules with hooks or an instance ``forward``, mixed types) is left alone and listed in
-    ``handle.skipped``. Memory neutral: see the module docstring.
+    ``handle.skipped``; a group is fused in every decoder layer or in none (``_fuse_layers``). Memory
+    neutral: see the module docstring.
 
     Only worth it under ``torch.compile`` with ``COMPILE_OPTIONS``: run eagerly, each slice computes the
     whole fused product.
@@ -202,20 +203,33 @@ def fuse_projections(model: nn.Module) -> FusionHandle:
 
 
 def _fuse_layers(model: nn.Module, handle: FusionHandle) -> None:
-    """``fuse_projections``' loop over decoder layers and groups, adding to ``handle``."""
-    for i, layer in enumerate(decoder_layers(model)):
-        for container, names in PROJECTION_GROUPS:
+    """``fuse_projections``' loop over decoder layers and groups, adding to ``handle``.
+
+    A group (q|k|v, or gate|up) is fused in every layer or in none: layers of one class whose modules
+    differ would each need their own Dynamo graph, and past Dynamo's recompile limit (8) the layers run
+    uncompiled, where every fused slice computes the whole fused product.
+    """
+    layers = decoder_layers(model)
+    for container, names in PROJECTION_GROUPS:
+        found, reasons = [], []
+        for i, layer in enumerate(layers):
             parent = getattr(layer, container, None)
             mods = [getattr(parent, n, None) for n in names] if parent is not None else []
             if not mods or any(m is None for m in mods):
-                handle.skipped.append(f"{i}.{container}: no {'/'.join(names)}")
+                reasons.append(f"{i}.{container}: no {'/'.join(names)}")
                 continue
             reason = _mismatch(mods)
             if reason is None and _has_instance_forward(mods):
                 reason = "hooks or an instance forward"
             if reason is not None:
-                handle.skipped.append(f"{i}.{container}: {reason}")
-                continue
+                reasons.append(f"{i}.{container}: {reason}")
+            found.append((parent, mods))
+        if reasons:
+            handle.skipped += reasons
+            if found and len(reasons) < len(layers):
+                handle.skipped.append(f"{container}: fused in no layer, as {len(reasons)} of {len(layers)} cannot be")
+            continue
+        for parent, mods in found:
             fused = _build_fused(mods)
             start = 0
             for name, m in zip(names, mods):

@@ -399,13 +399,33 @@ def test_closed_engine_refuses_work(llama):
         engine.step()
 
 
-def test_engine_whose_model_attention_was_switched_refuses_to_step(llama):
-    """Closing one of two engines on the same model restores the model's attention; the other must not
-    go on stepping with a model that ignores its cache (that silently gave wrong tokens)."""
+def test_second_engine_on_one_model_is_refused(llama):
+    """One engine per model at a time: a second one is refused before it changes anything (two open
+    engines used to leave compiled layers behind when closed in opening order)."""
+    before = llama.config._attn_implementation
     first = LLMEngine(llama, engine_config=CONFIG)
-    second = LLMEngine(llama, engine_config=CONFIG)
-    second.add_request("a", PROMPTS[0], GREEDY)
+    first.add_request("a", PROMPTS[0], GREEDY)
+    hooks = (dict(llama._forward_hooks), dict(llama._forward_pre_hooks))
+    with pytest.raises(ValueError, match="another LLMEngine"):
+        LLMEngine(llama, engine_config=CONFIG)
+    assert (dict(llama._forward_hooks), dict(llama._forward_pre_hooks)) == hooks  # nothing added
+    outs = []
+    while first.has_unfinished_requests():
+        outs += first.step()  # the first engine is untouched
+    assert outs[-1].finished
     first.close()
+    assert llama.config._attn_implementation == before
+    LLMEngine(llama, engine_config=CONFIG).close()  # free again once closed
+
+
+def test_engine_whose_model_attention_was_switched_refuses_to_step(llama):
+    """A model switched back to another attention while its engine is open would ignore the cache
+    (silently wrong tokens): the engine refuses to step instead."""
+    engine = LLMEngine(llama, engine_config=CONFIG)
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    previous = engine._previous_attn
+    llama.set_attn_implementation(previous)
     with pytest.raises(RuntimeError, match="attn_implementation.*switched"):
-        second.step()
-    second.close()
+        engine.step()
+    engine.close()
+    assert llama.config._attn_implementation == previous

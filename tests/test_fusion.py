@@ -122,23 +122,31 @@ def test_cse_merges_only_identical_products():
 
 def test_unmatched_projections_are_left_alone(tiny_model):
     """A group with a bias mismatch, a mixed Linear/QuantLinear group, and Phi-3's already fused
-    qkv_proj / gate_up_proj: nothing changes; the matching group of the same model is fused."""
+    qkv_proj / gate_up_proj: nothing changes. A group is fused in every layer or in none (mixed layers
+    would each need a Dynamo graph), and a matching group of the same model is fused everywhere."""
     model = tiny_model("llama", seed=13)
-    attn, mlp = decoder_layers(model)[0].self_attn, decoder_layers(model)[0].mlp
+    layers = decoder_layers(model)
+    attn, mlp = layers[0].self_attn, layers[0].mlp
     saved = (attn.k_proj, mlp.up_proj)
     attn.k_proj = nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=True)
-    mlp.up_proj = QuantLinear(mlp.up_proj.in_features, mlp.up_proj.out_features, bits=4, group_size=32,
-                              bias=False, dtype=torch.float32)
-    for buf in mlp.up_proj.buffers():
-        buf.zero_()  # created empty: defined values for the state_dict comparison
     try:
         mods, before = _projections(model), _snapshot(model)
-        handle = fuse_projections(model)
-        assert len(handle.skipped) == 2 and handle.num_fused == 2, handle.skipped
-        assert "0.self_attn" in handle.skipped[0] and "0.mlp" in handle.skipped[1]
-        assert attn.q_proj is mods[0] and mlp.gate_proj is mods[3]  # layer 0 untouched
-        assert isinstance(decoder_layers(model)[1].self_attn.q_proj, FusedLinearSlice)
+        handle = fuse_projections(model)  # q|k|v mismatched in layer 0 only: fused nowhere; gate|up everywhere
+        assert handle.num_fused == len(layers), handle.skipped
+        assert "0.self_attn" in handle.skipped[0] and "fused in no layer" in handle.skipped[1], handle.skipped
+        assert all(not isinstance(layer.self_attn.q_proj, FusedLinearSlice) for layer in layers)
+        assert all(isinstance(layer.mlp.up_proj, FusedLinearSlice) for layer in layers)
         unfuse_projections(handle)
+        assert all(a is b for a, b in zip(_projections(model), mods))
+        _assert_state_equal(model, before)
+
+        mlp.up_proj = QuantLinear(mlp.up_proj.in_features, mlp.up_proj.out_features, bits=4, group_size=32,
+                                  bias=False, dtype=torch.float32)
+        for buf in mlp.up_proj.buffers():
+            buf.zero_()  # created empty: defined values for the state_dict comparison
+        mods, before = _projections(model), _snapshot(model)
+        handle = fuse_projections(model)
+        assert handle.num_fused == 0 and "0.mlp: module types differ" in handle.skipped[2], handle.skipped
         assert all(a is b for a, b in zip(_projections(model), mods))
         _assert_state_equal(model, before)
     finally:
