@@ -30,8 +30,11 @@ def test_generate_default_model_mentions_paris(smollm2, capsys):
         (["generate", "--max-tokens", "0", "--model", ".", "hi"], None),  # '.' has no config.json: an OSError
         (["bench", "--model", "tiny-llama", "--device", "cpu", "--num-requests", "0"],
          "num_requests must be a positive integer, got 0"),
+        (["bench", "--model", "tiny-llama", "--device", "cpu", "--compare", "hf-generate", "--compare-num-requests", "0"],
+         "--compare-num-requests must be positive"),
     ],
-    ids=["model-path", "prompts-file", "device", "model-folder-without-config", "bench-no-requests"],
+    ids=["model-path", "prompts-file", "device", "model-folder-without-config", "bench-no-requests",
+         "bench-no-compared-requests"],
 )
 def test_user_mistakes_end_as_one_line(argv, message, capsys):
     assert main(argv) == 2

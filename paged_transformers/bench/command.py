@@ -108,6 +108,8 @@ def run_bench(args) -> dict:
     for c in compare:
         if c not in ENGINES[1:]:
             raise ValueError(f"--compare takes hf-generate and/or hf-cb, got {c!r}")
+    if args.compare_num_requests is not None and args.compare_num_requests <= 0:
+        raise ValueError(f"--compare-num-requests must be positive (leave it out for all requests), got {args.compare_num_requests}")
     peaks = measure_device_peaks(args.device)
     t0 = time.perf_counter()
     model = build_model(args.model, dtype, args.device, args.quantization, args.bits, args.group_size)

@@ -36,6 +36,7 @@ def build_model(name: str, dtype: torch.dtype, device: str, quantization: str | 
 
     Raises:
         ValueError: ``quantization`` given for a checkpoint path (its own config decides), or unknown.
+        OSError: ``name`` is no named shape and no loadable checkpoint (the message lists the shapes).
     """
     import transformers
 
@@ -44,7 +45,11 @@ def build_model(name: str, dtype: torch.dtype, device: str, quantization: str | 
             raise ValueError(f"--quantization applies to named shapes {sorted(MODEL_SHAPES)}, not to {name!r}")
         from ..quantization import load_model  # GPTQ / AWQ natively, anything else through transformers
 
-        return load_model(name, dtype=dtype, device=device)
+        try:
+            return load_model(name, dtype=dtype, device=device)
+        except OSError as e:  # not a folder, and the hub did not have it (or could not be reached)
+            raise OSError(f"--model {name!r} is neither a named shape ({', '.join(MODEL_SHAPES)}) nor a loadable "
+                          f"checkpoint: {e}") from e
     arch, fields = MODEL_SHAPES[name]
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
