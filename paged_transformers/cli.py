@@ -62,22 +62,30 @@ def load(model_id: str | None, dtype: str, device: str):
 def generate_main(args) -> int:
     prompts = list(args.prompt)
     if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise OSError(f"--prompts-file {args.prompts_file}: {e.strerror or e}") from e
     if not prompts:
         print("error: no prompts: give PROMPT arguments or a --prompts-file with non-blank lines", file=sys.stderr)
         return 2
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {args.device}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this torch has no CUDA device")
+    # the sampling flags are checked before the model loads (which can take minutes)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
     model, tokenizer = load(args.model, args.dtype, args.device)
     if args.chat:
         prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
             for p in prompts
         ]
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
-    )
     start = time.perf_counter()
     with LLMEngine(model, tokenizer=tokenizer, engine_config=_engine_config(args)) as engine:
         outputs = run_to_completion(engine, prompts, [params] * len(prompts), use_tqdm=False)

@@ -25,15 +25,16 @@ def test_generate_default_model_mentions_paris(smollm2, capsys):
     "argv, message",
     [
         (["generate", "--model", "/nonexistent/model", "hi"], "no such model folder"),
-        (["generate", "--prompts-file", "/nonexistent/prompts.txt"], "No such file"),
-        (["generate", "--device", "nodevice", "hi"], "nodevice"),
-        (["generate", "--max-tokens", "0", "--model", ".", "hi"], None),  # '.' has no config.json: an OSError
+        (["generate", "--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt: No such file"),
+        (["generate", "--device", "nodevice", "hi"], "--device nodevice"),
+        # the sampling flags are checked before the model loads ('.' would fail as a model folder)
+        (["generate", "--max-tokens", "0", "--model", ".", "hi"], "max_tokens"),
         (["bench", "--model", "tiny-llama", "--device", "cpu", "--num-requests", "0"],
          "num_requests must be a positive integer, got 0"),
         (["bench", "--model", "tiny-llama", "--device", "cpu", "--compare", "hf-generate", "--compare-num-requests", "0"],
          "--compare-num-requests must be positive"),
     ],
-    ids=["model-path", "prompts-file", "device", "model-folder-without-config", "bench-no-requests",
+    ids=["model-path", "prompts-file", "device", "sampling-checked-before-load", "bench-no-requests",
          "bench-no-compared-requests"],
 )
 def test_user_mistakes_end_as_one_line(argv, message, capsys):
