@@ -196,7 +196,6 @@ class Scheduler:
         bm = self.block_manager
         block_size = bm.block_size
         num_hashed = bm.num_hashed_blocks
-        check_stop = self.check_stop
         for seq, num_new, samples in zip(out.seqs, out.num_scheduled_tokens, out.sample_mask):
             forks = seq.pending_forks if samples else None
             if forks:
@@ -213,12 +212,7 @@ class Scheduler:
             if forks:
                 finished += self._start_forks(seq, forks, sampled)
             token_id = sampled.get(seq.seq_id)
-            if token_id is None:
-                continue
-            seq.token_ids.append(token_id)  # _append_token, inlined for the per-sequence loop
-            status = check_stop(seq)
-            if status is not None:
-                self.finish(seq, status)
+            if token_id is not None and self._append_token(seq, token_id):
                 finished.append(seq)
         return finished
 
