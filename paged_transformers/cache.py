@@ -62,7 +62,7 @@ class PagedCache(Cache):
         self.key_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_layers = num_layers
-        self.device = torch.device(device)
+        self.device = self.key_cache[0].device  # resolved ("cuda" -> "cuda:0"); kept after release()
         # generate() state (see the module docstring); untouched by the engine.
         self._rows: _GenerateRows | None = None
         self._pad_hint: list[int] | None = None
@@ -130,7 +130,7 @@ class PagedCache(Cache):
         """Copy whole blocks (copy-on-write) in every layer: ``dst <- src`` for each pair."""
         if not copies:
             return
-        device = self.key_cache[0].device
+        device = self.device
         src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=device)
         dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=device)
         for k, v in zip(self.key_cache, self.value_cache):
@@ -270,7 +270,7 @@ class PagedCache(Cache):
                 copies.extend(granted)
         self.copy_blocks(copies)
         rows.write_rows = (
-            torch.tensor([leader == b for b, leader in enumerate(rows.leaders)], device=self.key_cache[0].device)
+            torch.tensor([leader == b for b, leader in enumerate(rows.leaders)], device=self.device)
             if any(leader != b for b, leader in enumerate(rows.leaders)) and old_dense == 0 else None
         )
         if old_dense == 0:
@@ -279,7 +279,7 @@ class PagedCache(Cache):
 
     def _build_slot_index(self) -> None:
         rows, bm = self._rows, self.block_manager
-        device = self.key_cache[0].device
+        device = self.device
         tables = [bm.block_tables.get(seq_id, []) for seq_id in rows.seq_ids]
         width = max(1, max(len(t) for t in tables))
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)

@@ -155,7 +155,7 @@ class LLMEngine:
         cache = getattr(self, "cache", None)
         if cache is not None:
             cache.release()
-        if torch.cuda.is_available() and cache is not None and cache.device.type == "cuda":
+        if cache is not None and cache.device.type == "cuda":
             torch.cuda.empty_cache()  # the KV pool (gpu_memory_utilization of the device) goes back to the device
         for hook in self._step_hooks:
             hook.remove()

@@ -135,7 +135,7 @@ class ModelRunner:
         self.cache = cache
         self.write_kv = write_kv
         self.attend = attend
-        self.device = cache.key_cache[0].device
+        self.device = cache.device
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         # a decode step has num_seqs tokens, so the token buffers must hold the largest graph bucket too
