@@ -205,19 +205,26 @@ def graph_time_ms(fn, num_calls: int = 16, replays: int = 20) -> float:
     return start.elapsed_time(end) / (replays * num_calls)
 
 
+def rotating_sets(K: int, N: int, device, l2_bytes: int = 50 * 2**20):
+    """Weight sets for the graph clock, enough of each to total >= 4x the L2 (50 MB on H100/H200), so every
+    timed call reads its weight from HBM as decode does: ``(int4_bytes, n_q, n_b, qsets, bsets)`` with
+    ``qsets`` W4A16 layers (group ``GROUP``) and ``bsets`` bf16 ``[K, N]`` weights."""
+    int4_bytes = K * N // 2 + 2 * (K // GROUP) * N * 2
+    n_q = max(2, math.ceil(4 * l2_bytes / int4_bytes))
+    n_b = max(2, math.ceil(4 * l2_bytes / (K * N * 2)))
+    qsets = [random_layer(K, N, 4, GROUP, device) for _ in range(n_q)]
+    bsets = [torch.randn(K, N, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n_b)]
+    return int4_bytes, n_q, n_b, qsets, bsets
+
+
 def time_gemms(device, quick: bool) -> list[dict]:
     """Per (shape, M): bf16 matmul and W4A16 (default config + alternatives), graph and eager clocks (us)."""
     import triton
 
-    l2_bytes = 50 * 2**20  # H100/H200 L2 is 50 MB; rotate over sets totalling >= 4x that
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for K, N in SHAPES:
-        int4_bytes = K * N // 2 + 2 * (K // GROUP) * N * 2
-        n_q = max(2, math.ceil(4 * l2_bytes / int4_bytes))
-        n_b = max(2, math.ceil(4 * l2_bytes / (K * N * 2)))
-        qsets = [random_layer(K, N, 4, GROUP, device) for _ in range(n_q)]
-        bsets = [torch.randn(K, N, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n_b)]
+        int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
         for M in MS:
             xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
             it = {"i": 0}
@@ -277,15 +284,10 @@ def time_gemv_variants(device) -> list[dict]:
     """``--variants gemv``: at M = 1 on the three shapes, bf16 matmul, the default config and every
     ``gemv_candidates`` config, each checked against ``w4a16_matmul_ref`` (fresh data, also with a bias and with
     K = 4104 per-channel) before it is timed on the graph clock."""
-    l2_bytes = 50 * 2**20
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for K, N in SHAPES:
-        int4_bytes = K * N // 2 + 2 * (K // GROUP) * N * 2
-        n_q = max(2, math.ceil(4 * l2_bytes / int4_bytes))
-        n_b = max(2, math.ceil(4 * l2_bytes / (K * N * 2)))
-        qsets = [random_layer(K, N, 4, GROUP, device) for _ in range(n_q)]
-        bsets = [torch.randn(K, N, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n_b)]
+        int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
         xs = [torch.randn(1, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
         bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
         for cfg in [None] + gemv_candidates(N, K, sms):
