@@ -190,6 +190,9 @@ class W4A16Config:
     algo: W4A16Algo = W4A16Algo.DOT
     prefetch: bool = False  # GEMV only: load K step it+1 before computing step it
     fold_exp: bool = True  # GEMV only: _field_biased (exponent per field) instead of _field_magic + x * 2**-E
+    # GEMV only: 0 off; 12 or 15: FFMA the biased field 2**(23-E) + q directly (no FADD per weight), the bias
+    # removed once per group (``_gemv_step_biased``); the value is the lowest field position T (E in {T, T+4})
+    biased_fma: int = 0
 
     def __post_init__(self):
         if not isinstance(self.algo, W4A16Algo):
@@ -199,9 +202,12 @@ class W4A16Config:
                 raise ValueError(f"unknown W4A16 algo {self.algo!r}; allowed: {[a.value for a in W4A16Algo]}") from None
         if min(self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages) < 1:
             raise ValueError(f"W4A16Config sizes must be positive, got {self}")
+        if self.biased_fma not in (0, 12, 15):
+            raise ValueError(f"W4A16Config.biased_fma must be 0 (off), 12 or 15, got {self.biased_fma!r}")
 
     def __str__(self) -> str:
-        extra = f"{' pf' if self.prefetch else ''}{'' if self.fold_exp else ' magic'}" if self.algo == W4A16Algo.GEMV else ""
+        extra = (f"{' pf' if self.prefetch else ''}{'' if self.fold_exp else ' magic'}"
+                 f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}") if self.algo == W4A16Algo.GEMV else ""
         return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{extra}")  # fmt: skip
 
@@ -490,6 +496,90 @@ if triton is not None:
             acc += tl.sum(s * (part - z * xsum[:, None]), axis=0)
         return acc
 
+    @triton.jit
+    def _field_placed(p, zero, J: tl.constexpr, BITS: tl.constexpr, T: tl.constexpr):
+        """Field ``J`` of packed words ``p`` as the fp32 ``B_J + q`` with a small bias ``B_J = 2**(23 - E_J)``: one
+        shift (shared by two fields) + one LOP3, exactly.
+
+        The field is moved to bit ``E_J`` (4-bit: ``T + 4`` for even ``J``, ``T`` for odd ``J``, so fields
+        ``2i - 1`` and ``2i`` share one shift ``E_J - 4J``: 4 distinct shifts per word for ``T = 12``, shifts
+        16, 8, 0, -8, -16; 5 for ``T = 15``; 8-bit: ``E_J = 15``, one shift per field), masked and OR-ed into the
+        exponent of ``2**(23 - E_J)``, whose mantissa step is then 1 (see ``_field_biased``). ``T = 12`` gives
+        ``B`` in {2048, 128}, ``T = 15`` {256, 16}, 8-bit 256. ``_field_bias`` is ``B_J``.
+
+        Args: p int32 ``[R, C]``; zero: an int32 scalar that is 0 at run time (see the NOTE). Returns: fp32 ``[R, C]``.
+        """
+        MASK: tl.constexpr = (1 << BITS) - 1
+        E: tl.constexpr = (T + 4 * ((J + 1) % 2)) if BITS == 4 else 15
+        S: tl.constexpr = E - BITS * J  # left shift (negative: right) that puts field J at bit E
+        if S > 0:
+            w = p << S
+        elif S < 0:
+            w = p >> (-S)  # arithmetic: the sign-filled bits are masked off
+        else:
+            w = p
+        # NOTE: a LOP3 takes one immediate: ``zero`` (a runtime 0) keeps the mask in a register for the whole loop;
+        # with two immediates ptxas re-materializes the mask (a MOV) before almost every LOP3
+        f = (w & ((MASK << E) + zero)) | ((150 - E) << 23)  # 150 - E = 127 + 23 - E: the exponent of 2**(23 - E)
+        return f.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _field_bias(J: tl.constexpr, BITS: tl.constexpr, T: tl.constexpr):
+        """``B_J = 2**(23 - E_J)`` of ``_field_placed`` (fp32 scalar, exact)."""
+        E: tl.constexpr = (T + 4 * ((J + 1) % 2)) if BITS == 4 else 15
+        return 1.0 * (1 << (23 - E))
+
+    @triton.jit
+    def _gemv_step_biased(
+        acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, T: tl.constexpr,
+    ):  # fmt: skip
+        """``_gemv_step`` without the FADD per weight (``W4A16Config.biased_fma = T``): per weight one LOP3 (+ a shift
+        shared by two 4-bit fields: ``_field_placed``) and one FFMA of the *biased* value, ``P = sum_k x_k (B_k + q_k)``;
+        the bias and the zero point are removed once per column and group, ``sum_k x_k (q_k - z) = (P - C) - z X``
+        with ``C = sum_k x_k B_k`` and ``X = sum_k x_k``, which do not depend on the column (made once per step from
+        the x values, shared by the columns a thread holds).
+
+        Error bound (fp32, unit roundoff ``u = 2**-24``, standard dot-product analysis, Higham ch. 3): with ``m`` the
+        longest chain of roundings in one of the sums (``PACK`` FFMAs + the row reduction: ``m <= PACK + BLOCK_K //
+        PACK``), ``|P - P*| <= m u sum_k |x_k| (B_k + q_k)`` and ``|C - C*| <= m u sum_k |x_k| B_k``, and the three
+        subtractions add ``u`` each of their operands, so per column and group
+        ``|err| <= (2m + 3) u sum_k |x_k| (B_max + 2**BITS) (1 + O(mu))``, i.e. the usual bound of a dot product
+        with ``|q - z|`` replaced by ``B_max + 2**BITS``: ``B_max = 2048`` (``T = 12``) or 256 (``T = 15``, 8-bit)
+        against ``|q - z| <= 16``. For ``BLOCK_K = 128`` (``m = 24``), ``T = 12``: ``51 * 2064 * 2**-24 = 6.3e-3``
+        of ``sum |x_k|`` per group, worst case (every rounding the same sign); rounding errors of random sign
+        add as ``sqrt``: about ``u sqrt(m) B ||x||_2``, ``1e-5`` of ``||x||_2`` for ``T = 12``, below bf16's
+        ``2**-9`` output rounding. ``T = 15`` divides both by 8 (the fp32 interpreter tests need it: 1e-5).
+        """
+        PACK: tl.constexpr = 32 // BITS
+        BKP: tl.constexpr = BLOCK_K // PACK
+        zero = N >> 31  # 0 (N > 0), but not a compile-time constant: _field_placed's NOTE
+        part = tl.zeros([BKP, p.shape[1]], dtype=tl.float32)
+        # B_J depends only on the parity of J: C = B_0 X_even + B_1 X_odd, one FADD per x value
+        xe = tl.zeros([BKP], dtype=tl.float32)  # per packed row: sum of x over the even fields
+        xo = tl.zeros([BKP], dtype=tl.float32)  # ... and the odd ones
+        for J in tl.static_range(PACK):
+            if J % 2 == 0:
+                xlo, xhi = _gemv_x_pair(x_ptr, k0, offs_kp, K, J, PACK, EVEN_K)
+                part += xlo[:, None] * _field_placed(p, zero, J, BITS, T)
+                xe += xlo
+            else:
+                part += xhi[:, None] * _field_placed(p, zero, J, BITS, T)
+                xo += xhi
+        if GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: C, X and the scale once per column
+            g = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+            se = tl.sum(xe, axis=0)
+            so = tl.sum(xo, axis=0)
+            c = se * _field_bias(0, BITS, T) + so * _field_bias(1, BITS, T)
+            acc += s * ((tl.sum(part, axis=0) - c) - z * (se + so))
+        else:  # each packed row lies in one group (GROUP_SIZE % PACK == 0)
+            s, z = _group_rows(s_ptr, z_ptr, k0 + offs_kp * PACK, offs_n, mask_n, N, K, GROUP_SIZE)
+            cx = xe * _field_bias(0, BITS, T) + xo * _field_bias(1, BITS, T)
+            acc += tl.sum(s * ((part - cx[:, None]) - z * (xe + xo)[:, None]), axis=0)
+        return acc
+
     def _gemv_kernel_fn(
         x_ptr,  # [K] activations (the one row, M = 1), unit stride
         qw_ptr,  # int32 [K // PACK, N]
@@ -511,6 +601,7 @@ if triton is not None:
         EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
         EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
         FOLD_EXP: tl.constexpr,  # _field_biased (a magic per field) instead of _field_magic + x * 2**-E
+        BIASED_FMA: tl.constexpr,  # 0, or T of _gemv_step_biased (W4A16Config.biased_fma)
     ):
         """The M = 1 GEMV (``W4A16Algo.GEMV``): program ``(pid_n, pid_k)`` owns columns ``pid_n * BLOCK_N + [0,
         BLOCK_N)`` and K slice ``pid_k`` of ``SPLIT_K``; a 1-D fp32 accumulator, reduced over the tile's rows every
@@ -535,14 +626,22 @@ if triton is not None:
                 # the last step re-loads its own tile (an L1/L2 hit) instead of masking every load
                 p_next = _gemv_load(qw_ptr, tl.minimum(it + 1, it_end - 1), offs_kp, offs_n, mask_n, N, K, BITS,
                                     BLOCK_K, EVEN_K, EVEN_N)
-                acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                 BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
+                if BIASED_FMA:
+                    acc = _gemv_step_biased(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
+                                            BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA)
+                else:
+                    acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
+                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
                 p = p_next
         else:
             for it in range(it_start, it_end):
                 p = _gemv_load(qw_ptr, it, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
-                acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                 BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
+                if BIASED_FMA:
+                    acc = _gemv_step_biased(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
+                                            BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA)
+                else:
+                    acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
+                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
         offs_m = tl.arange(0, 1)
         _write_tile(acc[None, :], offs_m, offs_n, offs_m < 1, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid_n, N, 0,
                     HAS_BIAS, SPLIT_K)
@@ -798,7 +897,7 @@ def _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Co
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, N, K,
         BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, PREFETCH=cfg.prefetch, EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-        FOLD_EXP=cfg.fold_exp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FOLD_EXP=cfg.fold_exp, BIASED_FMA=cfg.biased_fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
