@@ -56,6 +56,13 @@ CASES = [
     (1, 512, 32, 4, 64, k.W4A16Config(1, 32, 64, 3, algo=A.GEMV, prefetch=True)),
     (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.GEMV)),
     (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, fold_exp=False)),
+    # GEMV biased_fma=15 (no FADD per weight; T = 12 is looser than fp32's 1e-5: test_gemv_biased_fma_*): a whole
+    # group per step + split-K + bias, per-channel K % BLOCK_K != 0 with the prefetch, groups smaller than the tile,
+    # 8-bit
+    (1, 256, 48, 4, 128, k.W4A16Config(1, 16, 128, 2, algo=A.GEMV, biased_fma=15)),
+    (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, prefetch=True, biased_fma=15)),
+    (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.GEMV, biased_fma=15)),
+    (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, biased_fma=15)),
     (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 128, 2, algo=A.DOT)),
     (3, 96, 40, 4, 96, k.W4A16Config(16, 32, 64, 2, algo=A.DOT)),  # per-channel spanning tiles
     (5, 256, 48, 4, 32, k.W4A16Config(16, 16, 128, 1, algo=A.DOT_SWAP)),
@@ -102,6 +109,58 @@ def test_gemv_half_activations(dtype, fold_exp):
     assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 8)) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
+# (dtype, biased_fma T, bits, K, group_size, BLOCK_K, split_k, bias): bf16 and fp16, T = 12 and 15, groups of 32, 64,
+# 128 and per-channel, one group per step and several, K % BLOCK_K != 0, split-K, bias, 8-bit
+BIASED_CASES = [
+    (torch.bfloat16, 12, 4, 256, 128, 128, 2, True),
+    (torch.float16, 12, 4, 192, 64, 128, 1, False),
+    (torch.bfloat16, 15, 4, 160, 32, 64, 3, False),
+    (torch.float16, 15, 4, 264, 264, 64, 2, True),
+    (torch.bfloat16, 12, 8, 128, 64, 64, 2, True),
+    (torch.float16, 15, 8, 136, 136, 64, 1, False),
+]
+
+
+@pytest.mark.parametrize("dtype,T,bits,K,group_size,block_k,split_k,bias", BIASED_CASES)
+def test_gemv_biased_fma_half(dtype, T, bits, K, group_size, block_k, split_k, bias):
+    # the bias B_J of each field and the zero point are removed once per group and column (_gemv_step_biased); its
+    # error bound (docstring) is ~1e-5 of ||x|| for T = 12, far below the half-precision output rounding checked here
+    N = 40
+    _, qweight, scales, zeros = random_layer(K, N, bits, group_size, seed=7)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE) if bias else None
+    cfg = k.W4A16Config(1, 32, block_k, split_k, algo=A.GEMV, biased_fma=T)
+    out = k.w4a16_matmul(x, qweight, scales, zeros, bits, group_size, bias=b, config=cfg)
+    ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, bits, group_size, bias=b)
+    assert out.dtype == dtype and out.shape == (1, N)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3  # output rounding: 2**-9 (bf16), 2**-12 (fp16) relative
+    assert rel(out, ref) < tol
+    # the check can fail: a zero point off by one (4-bit; 16 for 8-bit: one step of the high nibble), what a wrong
+    # bias B_J looks like, is far outside the tolerance
+    off = 1 << (bits - 4)
+    assert rel(k.w4a16_matmul_ref(x.float(), qweight, scales, zeros + off, bits, group_size, bias=b), ref) > 5 * tol
+
+
+@pytest.mark.parametrize("bits,T", [(4, 12), (4, 15), (8, 15)])
+def test_gemv_biased_fma_fields_exact(bits, T):
+    # every value in every field position, x_k = 1 + k % 7 (integers): every partial sum of P = sum x (B + q) stays an
+    # integer below 2**24, so P, C = sum x B and X = sum x are exact and the output must equal the integer
+    # sum_k x_k (q_k - z) exactly; a misplaced field, a wrong B_J or a wrong zero term changes it
+    if HAS_CUDA:
+        pytest.skip("float32 activations are an interpreter-only case (the CUDA kernel takes fp16/bf16)")
+    K, N = 128, 1 << bits
+    q = (torch.arange(K).view(K, 1) + torch.arange(N).view(1, N)) % N  # column n: value (k + n) % N at row k
+    q = q.to(torch.int32)
+    scales = torch.ones(1, N, dtype=torch.float16)
+    for z in (0, N):
+        zeros = torch.full((1, N), z, dtype=torch.int16)
+        x = (1 + torch.arange(K) % 7).float().view(1, K)
+        out = k.w4a16_matmul(x, k.pack_rows(q, bits), scales, zeros, bits, K,
+                             config=k.W4A16Config(1, N if bits == 4 else 64, 128, 1, algo=A.GEMV, biased_fma=T))
+        expected = (x.double() @ (q - z).double()).float()
+        assert torch.equal(out, expected), (out - expected).abs().max()
+
+
 def test_magic_number_fields_exact():
     # the per-field unpack takes fields 0..4 (4-bit) in place and 5..7 from p >>> 16; every 4-bit value in
     # every field position must dequantize exactly (fp32 activations: 1e-5 above is fp32 rounding of the sum)
@@ -125,6 +184,9 @@ def test_config_validation():
             k.W4A16Config(1, 16, 64, algo=removed)
     with pytest.raises(ValueError, match="positive"):
         k.W4A16Config(1, 16, 64, split_k=0)
+    with pytest.raises(ValueError, match="biased_fma"):
+        k.W4A16Config(1, 16, 64, algo="gemv", biased_fma=13)
+    assert str(k.W4A16Config(1, 1024, 128, 4, 8, 1, A.GEMV, biased_fma=12)) == "gemv 1x1024x128 split4 w8 s1 bfma12"
     with pytest.raises(ValueError, match="reshape_fma"):
         k.W4A16Config(1, 16, 64, algo="reshape_fma")  # removed in round 2
     assert k.split_k_for(num_tiles=32, k_iters=32, num_sms=132) == 17
