@@ -4,7 +4,7 @@ Llama-3-8B-shaped GPTQ model vs bf16 through the paged engine. About 3 minutes o
 Usage (GPU)::
 
     python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16_h200_round2.json
-    python benchmarks/bench_w4a16.py --variants gemv --out benchmarks/results/w4a16_h200_round3_gemv.json  # M = 1 only
+    python benchmarks/bench_w4a16.py --variants gemv --out benchmarks/results/w4a16_h200_round4_gemv.json  # M = 1 only
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
    as ``||out - ref|| / ||ref||`` on fresh random data, for the Llama-3-8B layer shapes at every M and
@@ -266,31 +266,35 @@ def time_gemms(device, quick: bool) -> list[dict]:
 
 
 def gemv_candidates(N: int, K: int, sms: int) -> list[k.W4A16Config]:
-    """Round-3 M = 1 candidates (``W4A16Algo.GEMV``): column tiles of 128 * num_warps (every packed row of a tile
-    in one thread: the per-step row sum stays in registers) or narrower (warps split the rows), 2-8 programs per
-    SM, with/without the hand prefetch and the per-field exponent (``fold_exp``)."""
+    """M = 1 candidates (``W4A16Algo.GEMV``), round 4: mostly ``biased_fma`` (no FADD per weight; T = 12: 4 shifts per
+    int32 word, T = 15: 5 shifts, smaller bias), with a whole group per step (``BLOCK_K = 128``: 16 packed rows, 16
+    16-byte loads per thread in flight) or 32/64, 4 columns per thread (``BLOCK_N = 128 * num_warps``) or 8 (256 *),
+    2-4 programs per SM, the hand prefetch; plus the round-3 runners-up without it."""
     out = []
-    for bn, bk, w, pf, per_sm in ((512, 32, 4, False, 4), (512, 32, 4, False, 8), (512, 64, 4, True, 4),
-                                  (256, 32, 2, False, 8), (256, 64, 2, False, 8), (1024, 32, 8, False, 2),
-                                  (1024, 32, 8, False, 4), (128, 128, 4, False, 8), (256, 128, 4, True, 4)):
+    for bn, bk, w, per_sm, pf, bfma in ((1024, 32, 8, 2, False, 12), (1024, 64, 8, 2, False, 12),
+                                        (1024, 128, 8, 2, False, 12), (1024, 128, 8, 4, False, 12),
+                                        (512, 128, 4, 4, False, 12), (2048, 64, 8, 2, False, 12),
+                                        (2048, 32, 8, 2, False, 12), (1024, 128, 8, 2, True, 12),
+                                        (1024, 64, 8, 2, False, 15), (2048, 64, 8, 2, False, 15),
+                                        (512, 32, 4, 4, False, 0), (1024, 32, 8, 4, False, 0)):
         split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
-        out.append(k.W4A16Config(1, bn, bk, split, w, 1, k.W4A16Algo.GEMV, prefetch=pf))
-    out.append(k.W4A16Config(1, 512, 32, k.split_k_for(-(-N // 512), -(-K // 32), sms, 4), 4, 1, k.W4A16Algo.GEMV,
-                             fold_exp=False))
+        out.append(k.W4A16Config(1, bn, bk, split, w, 1, k.W4A16Algo.GEMV, prefetch=pf, biased_fma=bfma))
     return out
 
 
 def time_gemv_variants(device) -> list[dict]:
     """``--variants gemv``: at M = 1 on the three shapes, bf16 matmul, the default config and every
     ``gemv_candidates`` config, each checked against ``w4a16_matmul_ref`` (fresh data, also with a bias and with
-    K = 4104 per-channel) before it is timed on the graph clock."""
+    K = 4104 per-channel; ``biased_fma`` ones also with fp16 x and groups of 32, and 8-bit, on the first shape)
+    before it is timed on the graph clock."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for K, N in SHAPES:
         int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
         xs = [torch.randn(1, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
         bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
-        for cfg in [None] + gemv_candidates(N, K, sms):
+        default = k.default_config(1, N, K, GROUP, device)
+        for cfg in [None] + [c for c in gemv_candidates(N, K, sms) if c != default]:
             used = str(cfg or k.default_config(1, N, K, GROUP, device))
             label = "default" if cfg is None else used
             try:
@@ -301,6 +305,12 @@ def time_gemv_variants(device) -> list[dict]:
                     q2 = random_layer(4104, 1000, 4, 4104, device)
                     x2 = torch.randn(1, 4104, device=device, dtype=torch.bfloat16)
                     err = max(err, rel_err(k.w4a16_matmul(x2, *q2, 4, 4104, config=cfg), k.w4a16_matmul_ref(x2.float(), *q2, 4, 4104)))
+                if cfg is not None and cfg.biased_fma and (K, N) == SHAPES[0]:  # fp16 with groups of 32, and 8-bit
+                    q3 = random_layer(4096, 1000, 4, 32, device)
+                    x3 = torch.randn(1, 4096, device=device, dtype=torch.float16)
+                    err = max(err, rel_err(k.w4a16_matmul(x3, *q3, 4, 32, config=cfg), k.w4a16_matmul_ref(x3.float(), *q3, 4, 32)))
+                    q4 = random_layer(4096, 1024, 8, 128, device)
+                    err = max(err, rel_err(k.w4a16_matmul(x3, *q4, 8, 128, config=cfg), k.w4a16_matmul_ref(x3.float(), *q4, 8, 128)))
                 if not err < 1e-2:
                     raise AssertionError(f"rel_err {err:.3g}")
                 g_us = graph_time_ms(lambda i, cfg=cfg: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)) * 1e3
@@ -366,7 +376,7 @@ def main() -> None:
     t0 = t_start = time.perf_counter()
     if args.variants == "gemv":
         report["command"] = "python benchmarks/bench_w4a16.py --variants gemv"
-        report["kernel_round"] = 3
+        report["kernel_round"] = 4
         report["gemv"] = rows = time_gemv_variants(device)
         if args.out:
             with open(args.out, "w") as f:
@@ -374,7 +384,7 @@ def main() -> None:
         print("\nM = 1, us per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
         for K, N in SHAPES:
             rs = sorted((r for r in rows if r.get("K") == K and r.get("N") == N and "graph_us" in r), key=lambda r: r["graph_us"])
-            for r in rs[:4] + [r for r in rs[4:] if r["config"] == "default"]:
+            for r in rs[:5] + [r for r in rs[5:] if r["config"] == "default"]:
                 print(f"{K:5d}x{N:<5d} {r['config'][:44]:44s} {r['graph_us']:7.1f} x{r['speedup']:4.2f} {r['int4_tb_s']:4.2f} TB/s"
                       f"  (bf16 {r['bf16_graph_us']:.1f}, target x{TARGET_SMALL_M[(K, N)]})")
         failed = [r for r in rows if "error" in r or r.get("ok") is False]

@@ -150,7 +150,7 @@ class W4A16Algo(enum.Enum):
       weight is the left (register-sourced) MMA operand and ``BLOCK_M`` is the MMA's small N;
     * ``GEMV``: the M = 1 kernel of round 3 (``_gemv_kernel_fn``): a 1-D accumulator, the zero point folded into
       the per-field FADD of the magic number, x read as bf16 pairs, no masks on even shapes; the M = 1 default
-      (``block_m`` must be 1; ``W4A16Config.prefetch``/``fold_exp`` select its variants);
+      (``block_m`` must be 1; ``W4A16Config.prefetch``/``fold_exp``/``biased_fma`` select its variants);
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer,
       then ``torch.matmul`` (cuBLAS), as exllama does for large batches.
 
