@@ -6,7 +6,8 @@ tracing (``torch.compiler.disable`` in ``attention.py``), so Dynamo splits every
 before and a graph after attention, and all layers of one class share those graphs (their weights are
 graph inputs). Inductor fuses the small ops between the projections -- RMSNorm's upcast / mean / rsqrt /
 scale, the rotary embedding's halves and concatenation, SiLU times the up projection, residual adds --
-into a few Triton kernels; the projections stay cuBLAS (or our W4A16 kernel) calls. vLLM compiles its
+into a few Triton kernels; the projections stay cuBLAS (or our W4A16 kernel) calls, except at batch 1, where
+``decode_linear.DecodeLinearPass`` routes them to our Triton GEMV. vLLM compiles its
 model definitions the same way, with the graph split at attention (its ``splitting_ops``).
 
 Inductor runs with ``emulate_precision_casts`` so that a fused kernel rounds to the model dtype where the
@@ -17,7 +18,9 @@ eager model up to the order of floating-point reductions.
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+from .decode_linear import DecodeLinearPass
+
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": DecodeLinearPass()}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

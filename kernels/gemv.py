@@ -1,0 +1,106 @@
+"""The linear layer ``x W^T + b`` at decode batch 1 (one row of x): a Triton GEMV, and its PyTorch reference
+``gemv_ref``.
+
+At M = 1 a projection reads its whole weight to make one row of output, so its time is the weight's bytes over
+the memory bandwidth. cuBLAS reaches 3.1-4.1 TB/s on the projections of a Llama-3-8B layer (H200, M = 1:
+BENCHMARKS.md), short of the 4.2 TB/s copy bandwidth on the smaller ones (q|k|v, o). This kernel streams the
+weight in its ``nn.Linear`` layout ``[N, K]`` (rows contiguous along K), ``BLOCK_N`` rows per program over all of
+K: no split-K and no second reduction kernel, and enough programs (``N / BLOCK_N``, hundreds) to keep every SM
+loading. Each step is 16-byte loads of a ``[BLOCK_N, BLOCK_K]`` weight tile and FMAs into an elementwise fp32
+accumulator, summed over K once at the end: the shape of the decode GEMVs of FasterTransformer / TensorRT-LLM.
+
+Layout::
+
+    x       [1, K]   fp16 / bf16 (fp32 under the interpreter), unit stride along K
+    weight  [N, K]   x's dtype, unit stride along K (nn.Linear's weight; any row stride)
+    bias    [N]      optional, any float dtype
+    out     [1, N]   x.dtype; the sum is fp32, rounded once
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ._launch import cdiv, load_triton_kernels
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """Launch configuration of the GEMV: ``block_n`` weight rows per program, a K step of ``block_k``,
+    ``num_warps`` warps per program.
+
+    Raises:
+        ValueError: a size that is not a positive power of two.
+    """
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a positive power of two, got {value!r}")
+
+    def __str__(self) -> str:
+        return f"gemv {self.block_n}x{self.block_k} w{self.num_warps}"
+
+
+DEFAULT_GEMV_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4)
+"""The configuration ``gemv`` uses when none is given: the fastest of the H200 sweep of ``bench_gemv.py``
+(BENCHMARKS.md has the table)."""
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of ``gemv``: the product and the bias in fp32, rounded once to ``x.dtype``.
+
+    Args: as ``gemv``. Returns: ``[1, N]`` in ``x.dtype``.
+    """
+    out = x.float() @ weight.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for one row of ``x``, with the Triton GEMV (module docstring).
+
+    Args:
+        x: ``[1, K]``, fp16 or bf16 on CUDA (also fp32 under the interpreter), unit stride along K.
+        weight: ``[N, K]``, ``x``'s dtype and device, unit stride along K (any row stride).
+        bias: optional contiguous ``[N]`` of any float dtype on ``x``'s device (added in fp32).
+        config: a ``GemvConfig``; default ``DEFAULT_GEMV_CONFIG``.
+
+    Returns:
+        ``[1, N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: a wrong shape, dtype, device or stride (the message names the tensor).
+        RuntimeError: CPU tensors without the Triton interpreter (``TRITON_INTERPRET=1``).
+    """
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
+        raise ValueError(f"x must be [1, K] with unit stride along K, got shape {tuple(x.shape)} strides {x.stride()}")
+    K = x.shape[1]
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [N, K={K}] with unit stride along K, got shape {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    N = weight.shape[0]
+    allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if x.device.type == "cpu" else ())
+    if x.dtype not in allowed or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share one dtype of {allowed}, got {x.dtype} and {weight.dtype}")
+    if weight.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError(f"weight ({weight.device}) and bias must be on x's device ({x.device})")
+    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a contiguous float [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    cfg = config or DEFAULT_GEMV_CONFIG
+    out = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    if N == 0 or K == 0:
+        return out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand(1, N))
+    kernels = load_triton_kernels("gemv_kernels", x.device)
+    kernels._gemv_kernel[(cdiv(N, cfg.block_n),)](
+        x, weight, bias if bias is not None else out, out, N, K, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
