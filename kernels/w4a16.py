@@ -742,7 +742,7 @@ def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int
 
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> W4A16Config:
     """The launch configuration used when none is given, as rules on the shape: the fastest of the H200 sweeps
-    of issue 7 (group 128, bf16; M = 1: round 3, ``bench_w4a16.py --variants gemv``; M >= 2: round 1, re-timed
+    of issue 7 (group 128, bf16; M = 1: round 4, ``bench_w4a16.py --variants gemv``; M >= 2: round 1, re-timed
     in round 3).
 
     A weight is *square* when neither side is twice the other (4096 x 4096), *wide* when
@@ -754,8 +754,9 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     ========  ========================================  ===============================================
     M         square (4096 x 4096)                      wide (4096 x 14336) / tall (14336 x 4096)
     ========  ========================================  ===============================================
-    1         GEMV 1x1024x32, 8 warps, 2 per SM:        the same: 18.0 us (30.6, 1.70x) /
-              7.8 us (bf16 12.4, 1.60x)                 17.8 us (31.4, 1.76x)
+    1         GEMV 1x1024x64 ``biased_fma=15``, 8       GEMV 1x2048x64 ``biased_fma=15``, 8 warps,
+              warps, 2 per SM: 6.9 us (bf16 12.4,       2 per SM: 13.5 us (30.8, 2.28x) /
+              1.79x; round 3 without biased_fma 7.8)    13.7 us (31.3, 2.29x); round 3: 18.0 / 17.8
     2 - 4     DOT 16x64x128, 4 per SM:                  DOT 16x128x128, 4 per SM: 33.2 (29.9, 0.90x) /
               12.9 us at M = 4 (12.8, 0.99x)            30.1 (31.5, 1.05x)
     5 - 16    DOT_SWAP 16x64x128, 4 per SM:             DOT 16x128x128, 4 per SM: 38.8 (30.3, 0.78x) /
@@ -781,7 +782,8 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     wide, tall = N >= 2 * K, K >= 2 * N
     k_iters = -(-K // 128)
     if M == 1 and group_size % 8 == 0:  # a group of whole int32 words for 4 and 8 bits (the GEMV's layout)
-        return W4A16Config(1, 1024, 32, split_k_for(-(-N // 1024), -(-K // 32), sms, 2), 8, 1, W4A16Algo.GEMV)
+        bn = 2048 if wide or tall else 1024
+        return W4A16Config(1, bn, 64, split_k_for(-(-N // bn), -(-K // 64), sms, 2), 8, 1, W4A16Algo.GEMV, biased_fma=15)
     if M <= 16:
         bn = 128 if wide or tall else 64
         algo = W4A16Algo.DOT_SWAP if M > 4 and not (wide or tall) else W4A16Algo.DOT

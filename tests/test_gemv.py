@@ -17,6 +17,7 @@ from paged_transformers import decode_linear  # noqa: E402
 from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, GemvConfig, gemv, gemv_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP32 = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16  # fp32 runs only under the interpreter
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -29,7 +30,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     "N, K, dtype, config, bias",
     [
-        (37, 100, torch.float32, GemvConfig(8, 32), True),  # N and K off the tile grid, K steps masked
+        (37, 100, FP32, GemvConfig(8, 32), True),  # N and K off the tile grid, K steps masked
         (16, 128, torch.float16, GemvConfig(4, 64, 2), False),
         (40, 96, torch.bfloat16, GemvConfig(8, 64), True),
         (5, 64, torch.bfloat16, None, False),  # the default config: one program, rows clamped to N - 1
@@ -48,9 +49,9 @@ def test_every_row_and_column_counts():
     """A one-hot x picks one weight column, exactly: a wrong row offset or a skipped K step shows up as a
     wrong value in that column."""
     N, K = 19, 70
-    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(1)).to(DEVICE, FP32)
     for k in (0, 31, 32, 69):
-        x = torch.zeros(1, K, device=DEVICE)
+        x = torch.zeros(1, K, device=DEVICE, dtype=FP32)
         x[0, k] = 1.0
         assert torch.equal(gemv(x, weight, config=GemvConfig(8, 32)), weight[:, k][None])
 
@@ -65,11 +66,13 @@ def test_bad_shapes(x_shape, w_shape, match):
 
 
 def test_bad_dtype_bias_and_config():
-    x, w = torch.randn(1, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+    x, w = torch.randn(1, 8, device=DEVICE, dtype=torch.bfloat16), torch.randn(4, 8, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="share one dtype"):
         gemv(x, w.half())
     with pytest.raises(ValueError, match=r"bias must be a contiguous float \[4\]"):
         gemv(x, w, torch.randn(5, device=DEVICE))
+    with pytest.raises(ValueError, match="share one dtype"):
+        gemv(x.to(torch.int32), w.to(torch.int32))
     with pytest.raises(ValueError, match="block_k must be a positive power of two, got 48"):
         GemvConfig(8, 48)
     assert str(DEFAULT_GEMV_CONFIG).startswith("gemv ")

@@ -210,11 +210,11 @@ def test_kernel_rejects_bad_arguments():
 
 
 def test_default_config_rules():
-    # the H200 winners (round 3 at M = 1, round 1 above), reproduced by the rules (132 SMs)
+    # the H200 winners (round 4 at M = 1, round 1 above), reproduced by the rules (132 SMs)
     cpu = torch.device("cpu")
-    assert str(k.default_config(1, 4096, 4096, 128, cpu)) == "gemv 1x1024x32 split66 w8 s1"
-    assert str(k.default_config(1, 14336, 4096, 128, cpu)) == "gemv 1x1024x32 split19 w8 s1"
-    assert str(k.default_config(1, 4096, 14336, 128, cpu)) == "gemv 1x1024x32 split66 w8 s1"
+    assert str(k.default_config(1, 4096, 4096, 128, cpu)) == "gemv 1x1024x64 split64 w8 s1 bfma15"
+    assert str(k.default_config(1, 14336, 4096, 128, cpu)) == "gemv 1x2048x64 split38 w8 s1 bfma15"
+    assert str(k.default_config(1, 4096, 14336, 128, cpu)) == "gemv 1x2048x64 split132 w8 s1 bfma15"
     assert str(k.default_config(4, 4096, 4096, 128, cpu)) == "dot 16x64x128 split9 w4 s3"
     assert str(k.default_config(4, 14336, 4096, 128, cpu)) == "dot 16x128x128 split5 w4 s3"
     assert str(k.default_config(16, 4096, 14336, 128, cpu)) == "dot 16x128x128 split17 w4 s3"
