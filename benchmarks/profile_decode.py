@@ -18,8 +18,7 @@ Usage (GPU)::
    eager layer (bf16 tolerance) at 1 and 256 tokens.
    E.g. ``python benchmarks/profile_decode.py --compile on --fuse both --out $OUT/fusion.json`` (~2 min).
    ``--decode-gemv`` picks the batch-1 projections of the compiled layers: our Triton GEMV (``on``, the
-   engine's default, ``paged_transformers.decode_linear``), cuBLAS (``off``) or ``both``; ``--pdl`` our kernels
-   launched as programmatic dependent launches (``on``, the default; ``kernels._launch.pdl_supported``) or not.
+   engine's default, ``paged_transformers.decode_linear``), cuBLAS (``off``) or ``both``.
 2. cuBLAS bf16 GEMV/GEMM times (``torch.matmul``, ``triton.testing.do_bench`` median, weights rotated over
    sets larger than L2) for the Llama-3-8B projections, separate and fused (q|k|v, gate|up), at M = 1
    and M = 256, as achieved bytes/s of the weight.
@@ -122,9 +121,8 @@ def fusion_check(shape: str = "llama-3-8b", tokens: tuple[int, ...] = (1, 256), 
 
 
 def profile_engine(batches: list[int], context: int, steps: int, compile_layers: bool, fuse: bool | None = None,
-                   decode_gemv: bool = True, pdl: bool = True) -> dict:
+                   decode_gemv: bool = True) -> dict:
     from paged_transformers import decode_linear
-    from paged_transformers.kernels import _launch
     from paged_transformers.bench import build_model
     from paged_transformers.config import EngineConfig
     from paged_transformers.engine import LLMEngine
@@ -135,7 +133,6 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     t0 = time.perf_counter()
     torch._dynamo.utils.counters.clear()
     decode_linear.GEMV_ENABLED = decode_gemv  # read when the batch-1 graph is captured (engine start)
-    _launch.PDL_ENABLED = pdl  # read at each launch, also when the graphs are captured
     engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, compile_layers=compile_layers,
                                                          fuse_projections=fuse))
     fusion = getattr(engine.runner, "fusion", None)
@@ -193,7 +190,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     out["prefill8x1024"] = {"wall_ms_p50_synced": wall * 1e3, "wall_ms_p50_plain": float("nan"),
                             "gemm": gemm_summary(prof, 1), "kernels": kernel_table(prof, 1)}
     engine.close()
-    decode_linear.GEMV_ENABLED = _launch.PDL_ENABLED = True
+    decode_linear.GEMV_ENABLED = True
     del engine, model
     gc.collect()  # the engine holds reference cycles (scheduler -> engine callbacks)
     torch._dynamo.reset()
@@ -234,8 +231,6 @@ def main() -> None:
     ap.add_argument("--decode-gemv", choices=["on", "off", "both"], default="on",
                     help="batch-1 projections of the compiled layers on our Triton GEMV (on, the engine's default) or "
                          "cuBLAS (off); both: profile the compiled engine each way")
-    ap.add_argument("--pdl", choices=["on", "off", "both"], default="on",
-                    help="our kernels as programmatic dependent launches (on, the default) or not; both: each way")
     ap.add_argument("--check-shapes", nargs="*", default=["llama-3-8b"],
                     help="with --fuse both: one-layer models checked by fusion_check first (e.g. llama-3-8b qwen2.5-7b)")
     ap.add_argument("--gemv", action="store_true", help="also time the cuBLAS projections (part 2)")
@@ -256,13 +251,11 @@ def main() -> None:
     report["engine"] = {}
     fuses = {"on": [True], "off": [False], "both": [True, False]}[args.fuse]
     gemvs = {"on": [True], "off": [False], "both": [True, False]}[args.decode_gemv]
-    pdls = {"on": [True], "off": [False], "both": [True, False]}[args.pdl]
-    modes = [(c, f if c else False, gv if c else False, p) for c in {"on": [True], "off": [False], "both": [True, False]}[args.compile]
-             for f in (fuses if c else [False]) for gv in (gemvs if c else [False]) for p in pdls]
-    for m, fuse, gv, pdl in modes:
-        mode = (f"compile_{'on' if m else 'off'}" + (f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}" if m else "")
-                + f"_pdl_{'on' if pdl else 'off'}")
-        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, pdl)
+    modes = [(c, f if c else False, gv if c else False) for c in {"on": [True], "off": [False], "both": [True, False]}[args.compile]
+             for f in (fuses if c else [False]) for gv in (gemvs if c else [False])]
+    for m, fuse, gv in modes:
+        mode = f"compile_{'on' if m else 'off'}" + (f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}" if m else "")
+        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
@@ -278,11 +271,11 @@ def main() -> None:
 
 
     if len(report["engine"]) > 1:  # the short table: device time per step of each mode
-        print(f"\n{'mode':<44} {'case':<14} {'device us/step':>14} {'GEMM us':>9} {'GEMM launches':>13} {'wall ms':>8}")
+        print(f"\n{'mode':<36} {'case':<14} {'device us/step':>14} {'GEMM us':>9} {'GEMM launches':>13} {'wall ms':>8}")
         for mode, cases in report["engine"].items():
             for name, e in cases.items():
                 if isinstance(e, dict) and "kernels" in e:
-                    print(f"{mode:<44} {name:<14} {e['kernels'][-1]['us_per_step']:14.1f} {e['gemm']['us_per_step']:9.1f} "
+                    print(f"{mode:<36} {name:<14} {e['kernels'][-1]['us_per_step']:14.1f} {e['gemm']['us_per_step']:9.1f} "
                           f"{e['gemm']['launches_per_step']:13.0f} {e['wall_ms_p50_synced']:8.2f}")
     if args.out:
         with open(args.out, "w") as f:

@@ -15,12 +15,8 @@ def _reshape_and_cache_kernel(
     slot_mapping_ptr,  # [num_tokens] int64, -1 = skip
     stride_kt, stride_kh, stride_vt, stride_vh,  # key / value strides of token and head (elements)
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent launch (_launch.pdl_supported)
 ):
     """Copy token ``t``'s K and V rows to cache slot ``slot_mapping[t]``; grid ``(num_tokens,)``."""
-    if PDL:  # wait for the previous kernel, then let the next one (attention) launch and wait in turn
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t)
     if slot < 0:  # padding token

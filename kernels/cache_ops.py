@@ -10,7 +10,7 @@ Layout::
 
 import torch
 
-from ._launch import check_device, load_triton_kernels, next_power_of_2, pdl_kwargs
+from ._launch import check_device, load_triton_kernels, next_power_of_2
 
 
 def reshape_and_cache(
@@ -47,7 +47,7 @@ def reshape_and_cache(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         H_PAD=next_power_of_2(num_kv_heads), D_PAD=next_power_of_2(head_dim),
-        num_warps=4, **pdl_kwargs(key.device),
+        num_warps=4,
     )
 
 

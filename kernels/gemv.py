@@ -21,15 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._launch import cdiv, load_triton_kernels, pdl_kwargs
+from ._launch import cdiv, load_triton_kernels
 
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     """Launch configuration of the GEMV: ``block_n`` weight rows per program, a K step of ``block_k``,
-    ``num_warps`` warps per program; ``pdl``: launch as a programmatic dependent launch where the device supports
-    it (``_launch.pdl_supported``), so the programs start, and load their first weight tile, while the previous
-    kernel of the stream finishes.
+    ``num_warps`` warps per program.
 
     Raises:
         ValueError: a size that is not a positive power of two.
@@ -38,18 +36,15 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
-    pdl: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
                 raise ValueError(f"GemvConfig.{name} must be a positive power of two, got {value!r}")
-        if not isinstance(self.pdl, bool):
-            raise ValueError(f"GemvConfig.pdl must be a bool, got {self.pdl!r}")
 
     def __str__(self) -> str:
-        return f"gemv {self.block_n}x{self.block_k} w{self.num_warps}{' pdl' if self.pdl else ''}"
+        return f"gemv {self.block_n}x{self.block_k} w{self.num_warps}"
 
 
 DEFAULT_GEMV_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4)
@@ -106,6 +101,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     kernels._gemv_kernel[(cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, N, K, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-        num_warps=cfg.num_warps, **(pdl_kwargs(x.device) if cfg.pdl else {"PDL": False}),
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return out

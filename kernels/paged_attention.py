@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._launch import cdiv, check_device, load_triton_kernels, next_power_of_2, num_sms, pdl_kwargs
+from ._launch import cdiv, check_device, load_triton_kernels, next_power_of_2, num_sms
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -246,13 +246,12 @@ def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
             # bits; on CPU (interpreter only) bf16 operands are widened to fp32 before each dot.
             UPCAST_DOT=query.device.type != "cuda" and query.dtype == torch.bfloat16,
             PREFETCH_BLOCK_IDS=cfg.prefetch_block_ids, FMA_SCORES=cfg.fma_scores,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(query.device),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if split:
         kernels._merge_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_ml, query_start_loc, num_kv_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=next_power_of_2(num_kv_splits), num_warps=4,
-            **pdl_kwargs(query.device),
         )
 
 

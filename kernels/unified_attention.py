@@ -190,7 +190,6 @@ def _unified_attention_kernel(
     UPCAST_DOT: tl.constexpr,  # dot in fp32: the interpreter's bf16 tl.dot is wrong (see paged_attention)
     PREFETCH_BLOCK_IDS: tl.constexpr,  # block ids one KV tile ahead (see _attend_tiles)
     FMA_SCORES: tl.constexpr,  # scores scaled inside the exponent (see _attend_tiles)
-    PDL: tl.constexpr,  # launched as a programmatic dependent launch (_launch.pdl_supported)
 ):
     """One (query tile, KV head, KV split) per program; grid ``(num_q_tiles, num_kv_heads, num_splits)``.
 
@@ -199,9 +198,6 @@ def _unified_attention_kernel(
     and prefill-sized sequences of one batch to two launches with different tile shapes).
     """
     tl.static_assert(BLOCK_Q * NUM_QUERIES_PER_KV <= BLOCK_M)
-    if PDL:  # wait for the previous kernel (the cache write), then let the next one launch and wait in turn
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     G: tl.constexpr = NUM_QUERIES_PER_KV
     q_tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -295,20 +291,13 @@ def _merge_splits_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,  # SPLITS_PAD >= num_splits
-    PDL: tl.constexpr,  # launched as a programmatic dependent launch (_launch.pdl_supported)
 ):
     """Log-sum-exp merge of the splits of one (sequence, head)'s query rows; grid ``(num_seqs, num_heads)``.
 
     ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``; a split that saw
     no key has ``m_s = -inf, l_s = 0, acc_s = 0`` and weight 0. Rows outside every sequence (padding of
     a fixed-capacity buffer) are not touched.
-
-    With ``PDL`` it lets the next kernel launch right after its own wait: at decode batch 1 that is the output
-    projection's GEMV (``gemv``), whose programs then load their first weight tile while the merge runs.
     """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
