@@ -30,7 +30,7 @@ class GemvConfig:
     ``num_warps`` warps per program.
 
     Raises:
-        ValueError: a size that is not a positive power of two.
+        ValueError: a size that is not a positive power of two, or more than 32 warps.
     """
 
     block_n: int
@@ -40,8 +40,10 @@ class GemvConfig:
     def __post_init__(self):
         for name in ("block_n", "block_k", "num_warps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+            if type(value) is not int or value < 1 or value & (value - 1):
                 raise ValueError(f"GemvConfig.{name} must be a positive power of two, got {value!r}")
+        if self.num_warps > 32:
+            raise ValueError(f"GemvConfig.num_warps must be at most 32 (1024 threads), got {self.num_warps}")
 
     def __str__(self) -> str:
         return f"gemv {self.block_n}x{self.block_k} w{self.num_warps}"
@@ -70,7 +72,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x: ``[1, K]``, fp16 or bf16 on CUDA (also fp32 under the interpreter), unit stride along K.
         weight: ``[N, K]``, ``x``'s dtype and device, unit stride along K (any row stride).
         bias: optional contiguous ``[N]`` of any float dtype on ``x``'s device (added in fp32).
-        config: a ``GemvConfig``; default ``DEFAULT_GEMV_CONFIG``.
+        config: a ``GemvConfig``; default ``DEFAULT_GEMV_CONFIG``. Its sizes are not checked against the
+            device's limits: a ``block_k`` of hundreds of thousands fails inside Triton.
 
     Returns:
         ``[1, N]`` in ``x.dtype``.
@@ -89,10 +92,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if x.device.type == "cpu" else ())
     if x.dtype not in allowed or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share one dtype of {allowed}, got {x.dtype} and {weight.dtype}")
-    if weight.device != x.device or (bias is not None and bias.device != x.device):
-        raise ValueError(f"weight ({weight.device}) and bias must be on x's device ({x.device})")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous() or not bias.is_floating_point()):
         raise ValueError(f"bias must be a contiguous float [{N}], got {bias.dtype} {tuple(bias.shape)}")
+    if config is not None and not isinstance(config, GemvConfig):
+        raise ValueError(f"config must be a GemvConfig, got {type(config).__name__}")
     cfg = config or DEFAULT_GEMV_CONFIG
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     if N == 0 or K == 0:

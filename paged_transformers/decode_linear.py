@@ -35,7 +35,8 @@ _HALF = (torch.float16, torch.bfloat16)
 @torch.library.custom_op("paged_transformers::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: the Triton GEMV (``kernels.gemv.gemv``) when ``x`` is one fp16/bf16 CUDA row
-    with unit stride along K (and ``GEMV_ENABLED``), else ``torch.nn.functional.linear``.
+    with unit stride along K, ``bias`` is None or contiguous ``[N]`` (and ``GEMV_ENABLED``), else
+    ``torch.nn.functional.linear`` (which also takes a broadcasting bias).
 
     Args:
         x: ``[M, K]``. weight: ``[N, K]``. bias: optional ``[N]``.
@@ -47,7 +48,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         RuntimeError / ValueError: as ``torch.nn.functional.linear`` for mismatched shapes or dtypes.
     """
     if (GEMV_ENABLED and x.is_cuda and x.shape[0] == 1 and x.dtype in _HALF and weight.dtype == x.dtype
-            and x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())):  # fmt: skip
+            and x.stride(1) == 1 and weight.stride(1) == 1
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()))):  # fmt: skip
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -59,9 +61,9 @@ def _linear_fake(x, weight, bias=None):
 
 def route_linears(graph: torch.fx.Graph, device_type: str = "cuda") -> int:
     """Replace, in place, every ``mm(x, permute(W, [1, 0]))`` / ``addmm(b, x, permute(W, [1, 0]))`` (or with
-    ``t(W)``, as ``make_fx`` traces ``F.linear``) whose ``W``
-    is a 2-D fp16/bf16 tensor on ``device_type`` with unit stride along K (and ``b`` 1-D, no ``beta``/``alpha``)
-    by ``paged_transformers.linear(x, W, b)``; the transposes left without users are removed.
+    ``t(W)``, as ``make_fx`` traces ``F.linear``) whose ``W [N, K]`` is an fp16/bf16 tensor on ``device_type``
+    with unit stride along K, and ``b`` of shape ``[N]`` (not a broadcast one; no ``beta``/``alpha``), by
+    ``paged_transformers.linear(x, W, b)``; the transposes left without users are removed.
 
     Args:
         graph: an FX graph whose nodes carry ``meta["val"]`` (Inductor's post-grad graphs do).
@@ -86,7 +88,7 @@ def route_linears(graph: torch.fx.Graph, device_type: str = "cuda") -> int:
             continue
         if bias is not None:
             bval = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
-            if not (isinstance(bval, torch.Tensor) and bval.dim() == 1):
+            if not (isinstance(bval, torch.Tensor) and bval.shape == val.shape[:1]):  # [N]; not a broadcast one
                 continue
         with graph.inserting_before(node):
             new = graph.call_function(torch.ops.paged_transformers.linear.default, (x, w, bias))

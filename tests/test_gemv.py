@@ -73,6 +73,13 @@ def test_bad_dtype_bias_and_config():
         gemv(x, w, torch.randn(5, device=DEVICE))
     with pytest.raises(ValueError, match="share one dtype"):
         gemv(x.to(torch.int32), w.to(torch.int32))
+    with pytest.raises(ValueError, match="bias is on meta"):
+        gemv(x, w, torch.randn(4, device="meta"))
+    with pytest.raises(ValueError, match="config must be a GemvConfig, got dict"):
+        gemv(x, w, config={"block_n": 8})
+    for bad in (True, 64):
+        with pytest.raises(ValueError, match="num_warps"):
+            GemvConfig(8, 64, bad)
     with pytest.raises(ValueError, match="block_k must be a positive power of two, got 48"):
         GemvConfig(8, 48)
     assert str(DEFAULT_GEMV_CONFIG).startswith("gemv ")
@@ -109,6 +116,24 @@ def test_route_linears_leaves_other_products():
     assert decode_linear.route_linears(gm.graph, device_type="cpu") == 0
     gm, _, _ = _traced(torch.bfloat16)
     assert decode_linear.route_linears(gm.graph) == 0  # CPU weights, routing CUDA ones only
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, b1, w2):
+        # a broadcast [1] bias, beta/alpha, a weight that is a column slice (stride along K != 1)
+        return torch.addmm(b1, x, w.t()) + torch.addmm(b1, x, w.t(), beta=0.5) + x @ w2[:, ::2].t()
+
+    args = [t.bfloat16() for t in (torch.randn(3, 8), torch.randn(6, 8), torch.randn(1), torch.randn(6, 16))]
+    gm = make_fx(f)(*args)
+    assert decode_linear.route_linears(gm.graph, device_type="cpu") == 0
+
+
+@pytest.mark.parametrize("bias_shape", [(1,), (4,)])
+def test_op_takes_any_bias_linear_takes(bias_shape):
+    """The op's fallback is ``F.linear``: a broadcast bias works as there (the GEMV takes only ``[N]``)."""
+    x, w = torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    b = torch.randn(*bias_shape, dtype=torch.bfloat16)
+    assert torch.equal(torch.ops.paged_transformers.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMV branch of the op needs CUDA")

@@ -186,6 +186,13 @@ def test_config_validation():
         k.W4A16Config(1, 16, 64, split_k=0)
     with pytest.raises(ValueError, match="biased_fma"):
         k.W4A16Config(1, 16, 64, algo="gemv", biased_fma=13)
+    with pytest.raises(ValueError, match="biased_fma must be 0"):
+        k.W4A16Config(1, 16, 64, algo="gemv", biased_fma=12.0)  # exact ints only: the kernel needs a constexpr int
+    with pytest.raises(ValueError, match="is a GEMV option"):
+        k.W4A16Config(16, 16, 64, algo="dot", biased_fma=15)
+    for bad in (True, 48.5):
+        with pytest.raises(ValueError, match="block_n must be a positive int"):
+            k.W4A16Config(1, bad, 64)
     assert str(k.W4A16Config(1, 1024, 128, 4, 8, 1, A.GEMV, biased_fma=12)) == "gemv 1x1024x128 split4 w8 s1 bfma12"
     with pytest.raises(ValueError, match="reshape_fma"):
         k.W4A16Config(1, 16, 64, algo="reshape_fma")  # removed in round 2
