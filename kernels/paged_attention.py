@@ -69,7 +69,9 @@ def pick_config(max_query_len: int, num_queries_per_kv: int, head_dim: int, dtyp
     """Tile shape for a batch whose longest query chunk is ``max_query_len`` rows.
 
     Decode (``max_query_len * G <= 16``) gets 16 rows, the smallest ``tl.dot`` tile; prefill gets
-    128 rows (64 for head_dim > 128 or fp32, to stay within registers and shared memory).
+    128 rows (64 for head_dim > 128 or fp32, to stay within registers and shared memory; 32 for fp32 with
+    head_dim > 128, whose ieee-precision dots unroll into FMAs: the 64-row kernel took 41 s to compile for sm_90,
+    the 32-row one 14 s (Triton 3.9 on the 2-core CI machine), and the GPU test runs stalled in that compile).
 
     NOTE: fp16/bf16 with head_dim <= 128 use the best configs of the H200 sweep of 2026-11-29
     (``bench_kernels.py``; BENCHMARKS.md, "Config sweep" and "Second session"): 128-row prefill tiles with
@@ -80,7 +82,7 @@ def pick_config(max_query_len: int, num_queries_per_kv: int, head_dim: int, dtyp
     """
     d_pad = next_power_of_2(head_dim)
     wide = d_pad > 128 or dtype == torch.float32
-    max_m = 64 if wide else 128
+    max_m = 32 if d_pad > 128 and dtype == torch.float32 else 64 if wide else 128
     block_m = min(max(16, next_power_of_2(max_query_len * num_queries_per_kv)), max_m)
     block_m = max(block_m, next_power_of_2(num_queries_per_kv))  # at least one query row
     if wide:
