@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from bench_w4a16 import graph_time_ms  # the same CUDA-graph clock (this folder is on sys.path when run as a script)
+
 from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, GemvConfig, gemv, gemv_ref
 
 # (name, N, K, launches per decode token of the 32-layer model)
@@ -30,28 +32,6 @@ SHAPES = [("q|k|v", 6144, 4096, 32), ("o", 4096, 4096, 32), ("gate|up", 28672, 4
 CANDIDATES = [GemvConfig(bn, bk, w) for bn, bk, w in (
     (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 256, 4),
     (16, 512, 4), (16, 512, 8), (4, 512, 2), (8, 512, 2), (32, 256, 8))]
-
-
-def graph_time_us(fn, num_calls: int = 16, replays: int = 20) -> float:
-    """Device time per call (us): ``fn(i)`` for i < ``num_calls`` captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(num_calls):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * num_calls)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -69,6 +49,12 @@ def check(cfg: GemvConfig | None, N: int, K: int, dev) -> float:
         b = torch.randn(N, device=dev, generator=g).to(dtype) if with_bias else None
         worst = max(worst, rel_err(gemv(x, w, b, cfg), gemv_ref(x, w, b)))
     return worst
+
+
+def graph_time_us(fn) -> float:
+    """Device time per call (us) of ``fn(i)``: ``bench_w4a16.graph_time_ms`` (16 calls captured in one CUDA graph,
+    replayed 20 times)."""
+    return graph_time_ms(fn) * 1e3
 
 
 def main() -> None:

@@ -587,6 +587,20 @@ if triton is not None:
             acc += tl.sum(s * ((part - cx[:, None]) - z * (xe + xo)[:, None]), axis=0)
         return acc
 
+    @triton.jit
+    def _gemv_step_any(
+        acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD_EXP: tl.constexpr, BIASED_FMA: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of the GEMV: ``_gemv_step_biased`` when ``BIASED_FMA`` is set, else ``_gemv_step``."""
+        if BIASED_FMA:
+            acc = _gemv_step_biased(acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
+                                    BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA)
+        else:
+            acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
+                             BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
+        return acc
+
     def _gemv_kernel_fn(
         x_ptr,  # [K] activations (the one row, M = 1), unit stride
         qw_ptr,  # int32 [K // PACK, N]
@@ -633,22 +647,14 @@ if triton is not None:
                 # the last step re-loads its own tile (an L1/L2 hit) instead of masking every load
                 p_next = _gemv_load(qw_ptr, tl.minimum(it + 1, it_end - 1), offs_kp, offs_n, mask_n, N, K, BITS,
                                     BLOCK_K, EVEN_K, EVEN_N)
-                if BIASED_FMA:
-                    acc = _gemv_step_biased(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                            BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA)
-                else:
-                    acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
+                acc = _gemv_step_any(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
+                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP, BIASED_FMA)
                 p = p_next
         else:
             for it in range(it_start, it_end):
                 p = _gemv_load(qw_ptr, it, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
-                if BIASED_FMA:
-                    acc = _gemv_step_biased(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                            BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA)
-                else:
-                    acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
+                acc = _gemv_step_any(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
+                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP, BIASED_FMA)
         offs_m = tl.arange(0, 1)
         _write_tile(acc[None, :], offs_m, offs_n, offs_m < 1, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid_n, N, 0,
                     HAS_BIAS, SPLIT_K)
