@@ -155,8 +155,8 @@ class LLMEngine:
         cache = getattr(self, "cache", None)
         if cache is not None:
             cache.release()
-        if cache is not None and cache.device.type == "cuda":
-            torch.cuda.empty_cache()  # the KV pool (gpu_memory_utilization of the device) goes back to the device
+            if cache.device.type == "cuda":
+                torch.cuda.empty_cache()  # the KV pool (gpu_memory_utilization of the device) goes back to the device
         for hook in self._step_hooks:
             hook.remove()
         self._step_hooks = []
