@@ -295,7 +295,7 @@ def time_gemv_variants(device) -> list[dict]:
         bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
         default = k.default_config(1, N, K, GROUP, device)
         for cfg in [None] + [c for c in gemv_candidates(N, K, sms) if c != default]:
-            used = str(cfg or k.default_config(1, N, K, GROUP, device))
+            used = str(cfg or default)
             label = "default" if cfg is None else used
             try:
                 bias = torch.randn(N, device=device, dtype=torch.bfloat16)
