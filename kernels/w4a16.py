@@ -151,6 +151,11 @@ class W4A16Algo(enum.Enum):
     * ``GEMV``: the M = 1 kernel of round 3 (``_gemv_kernel_fn``): a 1-D accumulator, the zero point folded into
       the per-field FADD of the magic number, x read as bf16 pairs, no masks on even shapes; the M = 1 default
       (``block_m`` must be 1; ``W4A16Config.prefetch``/``fold_exp``/``biased_fma`` select its variants);
+    * ``TC`` / ``TC_ASM`` (issue 7 round 5, 4-bit only, each K step in one group): swap AB with the whole
+      ``[BLOCK_N, BLOCK_K]`` weight tile dequantized to exact small integers (``q - z``, or ``B + q`` with
+      ``W4A16Config.tc_sum_x``) and ONE ``tl.dot`` per K step, the scale applied to the fp32 product
+      (``_tc_kernel_fn``); ``TC`` unpacks with Triton bit ops, ``TC_ASM`` with inline PTX (LOP3 magic-number
+      pairs, CUDA only);
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer,
       then ``torch.matmul`` (cuBLAS), as exllama does for large batches.
 
@@ -163,6 +168,8 @@ class W4A16Algo(enum.Enum):
     DOT = "dot"
     DOT_SWAP = "dot_swap"
     DEQUANT_MATMUL = "dequant_matmul"
+    TC = "tc"
+    TC_ASM = "tc_asm"
 
 
 # the kernel's ALGO constexpr (0 was the removed FMA GEMV: the ids stay as measured)
@@ -193,6 +200,8 @@ class W4A16Config:
     # GEMV only: 0 off; 12 or 15: FFMA the biased field 2**(23-E) + q directly (no FADD per weight), the bias
     # removed once per group (``_gemv_step_biased``); the value is the lowest field position T (E in {T, T+4})
     biased_fma: int = 0
+    # TC/TC_ASM only: keep B + q in the weight tile and remove B + z per group through sum(x) (no op per weight)
+    tc_sum_x: bool = False
 
     def __post_init__(self):
         if not isinstance(self.algo, W4A16Algo):
@@ -208,12 +217,38 @@ class W4A16Config:
             raise ValueError(f"W4A16Config.biased_fma must be 0 (off), 12 or 15, got {self.biased_fma!r}")
         if self.biased_fma and self.algo != W4A16Algo.GEMV:
             raise ValueError(f"W4A16Config.biased_fma={self.biased_fma} is a GEMV option, but algo is {self.algo.value!r}")
+        if self.tc_sum_x and self.algo not in (W4A16Algo.TC, W4A16Algo.TC_ASM):
+            raise ValueError(f"W4A16Config.tc_sum_x is a TC/TC_ASM option, but algo is {self.algo.value!r}")
 
     def __str__(self) -> str:
         extra = (f"{' pf' if self.prefetch else ''}{'' if self.fold_exp else ' magic'}"
-                 f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}") if self.algo == W4A16Algo.GEMV else ""
+                 f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}") if self.algo == W4A16Algo.GEMV else (
+                 " sumx" if self.tc_sum_x else "")
         return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{extra}")  # fmt: skip
+
+
+def _tc_asm(magic_bits: int, sub: str | None) -> str:
+    """The inline PTX of ``_tc_unpack_asm``: int32 ``$8`` -> 8 16-bit outputs ``$0..$7`` (fields 0..7), each
+    LOP3 pair ``(B + q_2i, B + q_2i+1)`` in the halves of one register; ``sub`` (``sub.bf16x2``/``sub.f16x2``)
+    subtracts ``$9`` (``B + z`` in both halves) from each pair."""
+    pair = magic_bits * 0x10001
+    lines = ["{", ".reg .b32 s, t0, t1, t2, t3;", "shr.u32 s, $8, 4;"]
+    # prmt selector (one hex digit per result byte, 0-3 = bytes of $8, 4-7 = of s): result byte 0 <- byte i of $8
+    # (field 2i in its low nibble), byte 2 <- byte i of s = $8 >> 4 (field 2i + 1); bytes 1, 3 are masked off
+    lines += [f"prmt.b32 t{i}, $8, s, {(4 + i) << 8 | i:#06x};" for i in range(4)]
+    lines += [f"lop3.b32 t{i}, t{i}, 0x000F000F, {pair:#010x}, 0xEA;" for i in range(4)]  # 0xEA: (a & b) | c
+    if sub:
+        lines += [f"{sub} t{i}, t{i}, $9;" for i in range(4)]
+    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, t{i};" for i in range(4)]
+    return "\n".join(lines + ["}"])
+
+
+if triton is not None:
+    _TC_ASM_BF16 = tl.constexpr(_tc_asm(0x4300, None))
+    _TC_ASM_BF16_SUB = tl.constexpr(_tc_asm(0x4300, "sub.bf16x2"))
+    _TC_ASM_FP16 = tl.constexpr(_tc_asm(0x6400, None))
+    _TC_ASM_FP16_SUB = tl.constexpr(_tc_asm(0x6400, "sub.f16x2"))
 
 
 if triton is not None:
@@ -659,6 +694,179 @@ if triton is not None:
         _write_tile(acc[None, :], offs_m, offs_n, offs_m < 1, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid_n, N, 0,
                     HAS_BIAS, SPLIT_K)
 
+    # -- W4A16Algo.TC / TC_ASM: swap AB, one dequantized [BLOCK_N, BLOCK_K] tile and one tl.dot per K step --------
+
+    @triton.jit
+    def _tc_magic_bits(DT: tl.constexpr):
+        """Bit pattern of the magic number ``B`` of the ``DT`` element (int constexpr): ``B`` = 128 (bf16, 7
+        mantissa bits), 1024 (fp16, 10), 2**23 (fp32, 23; interpreter only), whose mantissa step is 1, so OR-ing
+        a 4-bit ``q`` into its low mantissa bits gives ``B + q`` exactly."""
+        if DT == tl.bfloat16:
+            return 0x4300
+        elif DT == tl.float16:
+            return 0x6400
+        else:
+            return 0x4B000000
+
+    @triton.jit
+    def _tc_magic_value(DT: tl.constexpr):
+        """``B`` of ``_tc_magic_bits`` as a float."""
+        if DT == tl.bfloat16:
+            return 128.0
+        elif DT == tl.float16:
+            return 1024.0
+        else:
+            return 8388608.0  # 2**23
+
+    @triton.jit
+    def _tc_join8(f0, f1, f2, f3, f4, f5, f6, f7):
+        """Eight ``[R, C]`` tensors (field j = input row ``8c + j``) -> ``[R, 8C]`` in natural row order.
+
+        ``join`` appends a new last dim, so three nested joins give ``[R, C, 2, 2, 2]`` indexed ``(i, j, l)``
+        with the outermost join's index ``l`` last; the flattened position is ``4i + 2j + l``, hence the operand
+        order below (position 1 is the outer join's second half, position 4 the inner joins' second halves)."""
+        w = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
+        return tl.reshape(w, (f0.shape[0], 8 * f0.shape[1]))
+
+    @triton.jit
+    def _tc_unpack_bits(p, DT: tl.constexpr):
+        """4-bit fields of ``p`` (int32 ``[R, C]``) as ``B + q`` in ``DT`` (``_tc_magic_bits``): ``[R, 8C]``, column
+        ``8c + j`` = field ``j`` of ``p[:, c]``. Plain Triton bit ops (variant ``TC``).
+
+        16-bit ``DT``: per shift ``4j`` one AND|OR (a LOP3) makes two ``DT`` values at once, fields ``j`` and
+        ``j + 4`` in the low and high halves (mask ``0x000F000F``, magic in both halves), split by a truncation
+        and a shift; fp32: one LOP3 per field."""
+        MAGIC: tl.constexpr = _tc_magic_bits(DT)
+        if DT == tl.float32:
+            f0 = (p & 15 | MAGIC).to(tl.float32, bitcast=True)
+            f1 = ((p >> 4) & 15 | MAGIC).to(tl.float32, bitcast=True)
+            f2 = ((p >> 8) & 15 | MAGIC).to(tl.float32, bitcast=True)
+            f3 = ((p >> 12) & 15 | MAGIC).to(tl.float32, bitcast=True)
+            f4 = ((p >> 16) & 15 | MAGIC).to(tl.float32, bitcast=True)
+            f5 = ((p >> 20) & 15 | MAGIC).to(tl.float32, bitcast=True)
+            f6 = ((p >> 24) & 15 | MAGIC).to(tl.float32, bitcast=True)
+            f7 = ((p >> 28) & 15 | MAGIC).to(tl.float32, bitcast=True)
+        else:
+            PAIR: tl.constexpr = MAGIC * 0x10001  # the magic in both 16-bit halves
+            t0 = p & 0x000F000F | PAIR
+            t1 = (p >> 4) & 0x000F000F | PAIR
+            t2 = (p >> 8) & 0x000F000F | PAIR
+            t3 = (p >> 12) & 0x000F000F | PAIR
+            f0 = t0.to(tl.int16).to(DT, bitcast=True)
+            f4 = (t0 >> 16).to(tl.int16).to(DT, bitcast=True)
+            f1 = t1.to(tl.int16).to(DT, bitcast=True)
+            f5 = (t1 >> 16).to(tl.int16).to(DT, bitcast=True)
+            f2 = t2.to(tl.int16).to(DT, bitcast=True)
+            f6 = (t2 >> 16).to(tl.int16).to(DT, bitcast=True)
+            f3 = t3.to(tl.int16).to(DT, bitcast=True)
+            f7 = (t3 >> 16).to(tl.int16).to(DT, bitcast=True)
+        return _tc_join8(f0, f1, f2, f3, f4, f5, f6, f7)
+
+    @triton.jit
+    def _tc_unpack_asm(p, zpair, DT: tl.constexpr, SUB_ZERO: tl.constexpr):
+        """As ``_tc_unpack_bits`` (16-bit ``DT`` only, CUDA only: the interpreter runs no PTX), in one inline-PTX
+        block per int32 (variant ``TC_ASM``), after FasterTransformer / Marlin's LOP3 dequantization: one shift,
+        then per pair of adjacent fields ``(2i, 2i + 1)`` a PRMT that puts byte ``i`` of ``p`` and of ``p >> 4`` in
+        the two halves and a LOP3 ``(t & 0x000F000F) | magic``: a packed pair ``(B + q_2i, B + q_2i+1)`` in one
+        register, the pairing of the MMA operand fragment (adjacent K). With ``SUB_ZERO`` one packed subtract of
+        ``zpair`` (``B + z`` in both halves, int32 bits) per pair leaves ``q - z`` exactly.
+        9 instructions per 8 weights (13 with ``SUB_ZERO``).
+
+        Args: p int32 ``[R, C]``; zpair int32 ``[R, C]`` (broadcast of a per-row value). Returns ``DT [R, 8C]``.
+        """
+        if DT == tl.bfloat16:
+            ASM: tl.constexpr = _TC_ASM_BF16_SUB if SUB_ZERO else _TC_ASM_BF16
+        else:
+            ASM: tl.constexpr = _TC_ASM_FP16_SUB if SUB_ZERO else _TC_ASM_FP16
+        f0, f1, f2, f3, f4, f5, f6, f7 = tl.inline_asm_elementwise(
+            ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [p, zpair], dtype=(DT,) * 8, is_pure=True, pack=1
+        )
+        return _tc_join8(f0, f1, f2, f3, f4, f5, f6, f7)
+
+    def _tc_kernel_fn(
+        x_ptr,  # [M, K] activations, row stride stride_xm, unit column stride
+        qw_ptr,  # int32 [K // 8, N] (4-bit only)
+        s_ptr,  # [G, N] scales
+        z_ptr,  # int16 [G, N] zero points
+        bias_ptr,  # [N] or dummy
+        out_ptr,  # [M, N], row stride stride_om
+        ws_ptr,  # fp32 [M, N] workspace, all zero between calls (split-K only)
+        lock_ptr,  # int32 [num_tiles] arrival counters, all zero between calls (split-K only)
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_om,
+        GROUP_SIZE: tl.constexpr,  # a multiple of BLOCK_K, or K (per-channel): every K step lies in one group
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        USE_ASM: tl.constexpr,  # TC_ASM: _tc_unpack_asm; TC: _tc_unpack_bits
+        SUM_X: tl.constexpr,  # W4A16Config.tc_sum_x: B + z removed per group through sum(x), not per weight
+        EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    ):
+        """``W4A16Algo.TC`` / ``TC_ASM``: program ``(tile, pid_k)`` computes ``out^T [BLOCK_N, BLOCK_M]`` of its tile
+        over K slice ``pid_k`` as ``W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]`` per K step (swap AB: the
+        dequantized weight is the left, register-sourced MMA operand, the padded M the MMA's small N).
+
+        Each step lies in one group (``GROUP_SIZE % BLOCK_K == 0`` or per-channel), so the scale leaves the tile:
+        ``acc += s[n] * d`` with ``d = W_int^T @ x^T`` of exact small integers ``W_int``:
+        ``q - z`` (``B + q`` minus ``B + z``, exact in bf16/fp16) or, with ``SUM_X``, ``B + q`` and
+        ``d - (B + z[n]) * sum_k x[m, k]`` after the dot (no float op per weight; the fp32 sum loses the bits of
+        ``B / |q - z|``, about 2**-17 relative for bf16)."""
+        tl.static_assert(BLOCK_K % 8 == 0)
+        BKP: tl.constexpr = BLOCK_K // 8
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_m  # N-major tile order, as _w4a16_kernel_fn
+        pid_n = pid // num_m
+        k_iters = tl.cdiv(K, BLOCK_K)
+        iters_per_split = tl.cdiv(k_iters, SPLIT_K)
+        it_start = pid_k * iters_per_split
+        it_end = tl.minimum(it_start + iters_per_split, k_iters)
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+        offs_kp = tl.arange(0, BKP)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        MAGIC: tl.constexpr = _tc_magic_value(DT)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for it in range(it_start, it_end):
+            k0 = it * BLOCK_K
+            kp = k0 // 8 + offs_kp
+            # p^T: [BLOCK_N, BKP], contiguous along N (dim 0)
+            p = tl.load(qw_ptr + kp[None, :] * N + offs_n[:, None], mask=(kp[None, :] < K // 8) & mask_n[:, None], other=0)
+            kk = k0 + offs_k
+            if EVEN_K:
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :], other=0.0)
+            else:
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < K), other=0.0)
+            g = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+            if USE_ASM:
+                zb = (z + MAGIC).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                zpair = tl.broadcast_to((zb | (zb << 16))[:, None], (BLOCK_N, BKP))
+                w = _tc_unpack_asm(p, zpair, DT, not SUM_X)
+            else:
+                w = _tc_unpack_bits(p, DT)
+                if not SUM_X:
+                    w = w - (z + MAGIC).to(DT)[:, None]  # (B + q) - (B + z) = q - z, exact
+            d = tl.dot(w, xt)  # [BLOCK_N, BLOCK_M] fp32
+            if SUM_X:
+                xs = tl.sum(xt.to(tl.float32), axis=0)  # [BLOCK_M]
+                d = d - (z + MAGIC)[:, None] * xs[None, :]
+            acc += s[:, None] * d
+        _write_tile(tl.trans(acc), offs_m, offs_n, mask_m, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid, N,
+                    stride_om, HAS_BIAS, SPLIT_K)
+
     def _dequant_kernel_fn(
         qw_ptr,  # int32 [K // PACK, N]
         s_ptr,  # [G, N] scales
@@ -692,13 +900,14 @@ if triton is not None:
     _w4a16_kernel = triton.jit(_w4a16_kernel_fn)
     _dequant_kernel = triton.jit(_dequant_kernel_fn)
     _gemv_kernel = triton.jit(_gemv_kernel_fn)
+    _tc_kernel = triton.jit(_tc_kernel_fn)
     _interpreted: dict = {}
 
 
 def _kernel_for(device: torch.device, fn_name: str = "_w4a16_kernel_fn"):
     """The compiled kernel on CUDA; on CPU the Triton interpreter (needs ``TRITON_INTERPRET=1``)."""
     if device.type == "cuda":
-        return {"_w4a16_kernel_fn": _w4a16_kernel, "_dequant_kernel_fn": _dequant_kernel, "_gemv_kernel_fn": _gemv_kernel}[fn_name]
+        return {"_w4a16_kernel_fn": _w4a16_kernel, "_dequant_kernel_fn": _dequant_kernel, "_gemv_kernel_fn": _gemv_kernel, "_tc_kernel_fn": _tc_kernel}[fn_name]
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"w4a16_matmul needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 or use w4a16_matmul_ref")
     if fn_name not in _interpreted:
@@ -868,6 +1077,8 @@ def w4a16_matmul(
     tensor_cores = cfg.algo in (W4A16Algo.DOT, W4A16Algo.DOT_SWAP)
     if x.is_cuda and tensor_cores and (cfg.block_m < 16 or cfg.block_k // pack < 16):
         raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16 and block_k // {pack} >= 16")
+    if x.is_cuda and cfg.algo in (W4A16Algo.TC, W4A16Algo.TC_ASM) and cfg.block_m < 16:
+        raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16")  # TC's block_k: _launch_tc
 
     if cfg.algo == W4A16Algo.DEQUANT_MATMUL:
         # NOTE: a [K, N] scratch weight per call (from the caching allocator); meant for prefill-sized M
@@ -881,6 +1092,8 @@ def w4a16_matmul(
 
     if cfg.algo == W4A16Algo.GEMV:
         return _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg)
+    if cfg.algo in (W4A16Algo.TC, W4A16Algo.TC_ASM):
+        return _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg)
 
     kernel = _kernel_for(x.device)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -913,6 +1126,38 @@ def _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Co
         BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, PREFETCH=cfg.prefetch, EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
         FOLD_EXP=cfg.fold_exp, BIASED_FMA=cfg.biased_fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
+    """``w4a16_matmul``'s launch of ``W4A16Algo.TC`` / ``TC_ASM`` (other arguments validated there): ``[M, N]`` out.
+
+    Raises:
+        ValueError: ``bits != 4``, a K step that spans two groups (``group_size`` neither a multiple of
+            ``block_k`` nor ``K``), ``block_k < 16``, ``TC_ASM`` off CUDA or with fp32 ``x``, ``tc_sum_x`` with fp32 ``x``.
+    """
+    M, K = x.shape
+    N = qweight.shape[1]
+    if bits != 4:
+        raise ValueError(f"config {cfg}: {cfg.algo.value} takes 4-bit weights only, got bits={bits}")
+    if group_size % cfg.block_k and group_size != K:
+        raise ValueError(f"config {cfg}: {cfg.algo.value} needs group_size ({group_size}) a multiple of block_k or K ({K})")
+    if cfg.block_k < 16 or cfg.block_n < 16:
+        raise ValueError(f"config {cfg}: tl.dot needs block_k >= 16 and block_n >= 16")
+    if cfg.tc_sum_x and x.dtype == torch.float32:
+        raise ValueError(f"config {cfg}: tc_sum_x needs fp16/bf16 x (fp32's magic 2**23 leaves no bits for the products)")
+    if cfg.algo == W4A16Algo.TC_ASM and (not x.is_cuda or x.dtype == torch.float32):
+        raise ValueError(f"config {cfg}: tc_asm is inline PTX: CUDA and fp16/bf16 x only (got {x.device}, {x.dtype})")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    num_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
+    ws, locks = _WORKSPACE.get(x.device, M * N, num_tiles) if cfg.split_k > 1 else (out, out)  # unused without split-K
+    # grid: one program per (output tile, K slice); tiles enumerate N-major
+    _kernel_for(x.device, "_tc_kernel_fn")[(num_tiles, cfg.split_k)](
+        x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, M, N, K, x.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_ASM=cfg.algo == W4A16Algo.TC_ASM, SUM_X=cfg.tc_sum_x,
+        EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
