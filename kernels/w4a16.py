@@ -152,10 +152,11 @@ class W4A16Algo(enum.Enum):
       the per-field FADD of the magic number, x read as bf16 pairs, no masks on even shapes; the M = 1 default
       (``block_m`` must be 1; ``W4A16Config.prefetch``/``fold_exp``/``biased_fma`` select its variants);
     * ``TC`` / ``TC_ASM`` (issue 7 round 5, 4-bit only, each K step in one group): swap AB with the whole
-      ``[BLOCK_N, BLOCK_K]`` weight tile dequantized to exact small integers (``q - z``, or ``B + q`` with
-      ``W4A16Config.tc_sum_x``) and ONE ``tl.dot`` per K step, the scale applied to the fp32 product
-      (``_tc_kernel_fn``); ``TC`` unpacks with Triton bit ops, ``TC_ASM`` with inline PTX (LOP3 magic-number
-      pairs, CUDA only);
+      ``[BLOCK_N, BLOCK_K]`` weight tile dequantized to exact small integers ``q - z`` and ONE ``tl.dot`` per K
+      step, the scale applied to the fp32 product (``_tc_kernel_fn``); ``TC`` unpacks with Triton bit ops,
+      ``TC_ASM`` with inline PTX (LOP3 magic-number pairs, CUDA only); ``W4A16Config.tc_perm`` permutes the tile's
+      K order (and x's) to the MMA fragment's, so the unpacked weights never go through shared memory
+      (``_tc_kperm_x``);
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer,
       then ``torch.matmul`` (cuBLAS), as exllama does for large batches.
 
@@ -200,8 +201,8 @@ class W4A16Config:
     # GEMV only: 0 off; 12 or 15: FFMA the biased field 2**(23-E) + q directly (no FADD per weight), the bias
     # removed once per group (``_gemv_step_biased``); the value is the lowest field position T (E in {T, T+4})
     biased_fma: int = 0
-    # TC/TC_ASM only: keep B + q in the weight tile and remove B + z per group through sum(x) (no op per weight)
-    tc_sum_x: bool = False
+    # TC/TC_ASM only: the tile's K order permuted to the MMA fragment's (_tc_kperm; block_k % 32 == 0)
+    tc_perm: bool = False
 
     def __post_init__(self):
         if not isinstance(self.algo, W4A16Algo):
@@ -217,18 +218,18 @@ class W4A16Config:
             raise ValueError(f"W4A16Config.biased_fma must be 0 (off), 12 or 15, got {self.biased_fma!r}")
         if self.biased_fma and self.algo != W4A16Algo.GEMV:
             raise ValueError(f"W4A16Config.biased_fma={self.biased_fma} is a GEMV option, but algo is {self.algo.value!r}")
-        if self.tc_sum_x and self.algo not in (W4A16Algo.TC, W4A16Algo.TC_ASM):
-            raise ValueError(f"W4A16Config.tc_sum_x is a TC/TC_ASM option, but algo is {self.algo.value!r}")
+        if self.tc_perm and self.algo not in (W4A16Algo.TC, W4A16Algo.TC_ASM):
+            raise ValueError(f"W4A16Config.tc_perm is a TC/TC_ASM option, but algo is {self.algo.value!r}")
 
     def __str__(self) -> str:
         extra = (f"{' pf' if self.prefetch else ''}{'' if self.fold_exp else ' magic'}"
                  f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}") if self.algo == W4A16Algo.GEMV else (
-                 " sumx" if self.tc_sum_x else "")
+                 " perm" if self.tc_perm else "")
         return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{extra}")  # fmt: skip
 
 
-def _tc_asm(magic_bits: int, sub: str | None) -> str:
+def _tc_asm(magic_bits: int, sub: str) -> str:
     """The inline PTX of ``_tc_unpack_asm``: int32 ``$8`` -> 8 16-bit outputs ``$0..$7`` (fields 0..7), each
     LOP3 pair ``(B + q_2i, B + q_2i+1)`` in the halves of one register; ``sub`` (``sub.bf16x2``/``sub.f16x2``)
     subtracts ``$9`` (``B + z`` in both halves) from each pair."""
@@ -238,17 +239,14 @@ def _tc_asm(magic_bits: int, sub: str | None) -> str:
     # (field 2i in its low nibble), byte 2 <- byte i of s = $8 >> 4 (field 2i + 1); bytes 1, 3 are masked off
     lines += [f"prmt.b32 t{i}, $8, s, {(4 + i) << 8 | i:#06x};" for i in range(4)]
     lines += [f"lop3.b32 t{i}, t{i}, 0x000F000F, {pair:#010x}, 0xEA;" for i in range(4)]  # 0xEA: (a & b) | c
-    if sub:
-        lines += [f"{sub} t{i}, t{i}, $9;" for i in range(4)]
+    lines += [f"{sub} t{i}, t{i}, $9;" for i in range(4)]
     lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, t{i};" for i in range(4)]
     return "\n".join(lines + ["}"])
 
 
 if triton is not None:
-    _TC_ASM_BF16 = tl.constexpr(_tc_asm(0x4300, None))
-    _TC_ASM_BF16_SUB = tl.constexpr(_tc_asm(0x4300, "sub.bf16x2"))
-    _TC_ASM_FP16 = tl.constexpr(_tc_asm(0x6400, None))
-    _TC_ASM_FP16_SUB = tl.constexpr(_tc_asm(0x6400, "sub.f16x2"))
+    _TC_ASM_BF16 = tl.constexpr(_tc_asm(0x4300, "sub.bf16x2"))
+    _TC_ASM_FP16 = tl.constexpr(_tc_asm(0x6400, "sub.f16x2"))
 
 
 if triton is not None:
@@ -719,17 +717,40 @@ if triton is not None:
             return 8388608.0  # 2**23
 
     @triton.jit
-    def _tc_join8(f0, f1, f2, f3, f4, f5, f6, f7):
+    def _tc_join8(f0, f1, f2, f3, f4, f5, f6, f7, PERMUTE_K: tl.constexpr = False):
         """Eight ``[R, C]`` tensors (field j = input row ``8c + j``) -> ``[R, 8C]`` in natural row order.
 
         ``join`` appends a new last dim, so three nested joins give ``[R, C, 2, 2, 2]`` indexed ``(i, j, l)``
         with the outermost join's index ``l`` last; the flattened position is ``4i + 2j + l``, hence the operand
         order below (position 1 is the outer join's second half, position 4 the inner joins' second halves)."""
         w = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
-        return tl.reshape(w, (f0.shape[0], 8 * f0.shape[1]))
+        if PERMUTE_K:
+            # f: [R, 4 (c), T (t)] -> w [R, c, t, u, h, e] (field 4u + 2h + e) -> [R, t, u, h, c, e]: MMA-operand order,
+            # see _tc_kperm_x
+            w = tl.reshape(tl.permute(w, (0, 2, 3, 4, 1, 5)), (f0.shape[0], 32 * f0.shape[2]))
+        else:
+            w = tl.reshape(w, (f0.shape[0], 8 * f0.shape[1]))
+        return w
 
     @triton.jit
-    def _tc_unpack_bits(p, DT: tl.constexpr):
+    def _tc_kperm_x(xr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """x ``[BLOCK_M, BLOCK_K]`` (columns = input rows of the K step, in order) with its columns in the order of the
+        ``PERMUTE_K`` weight tile (``_tc_join8``).
+
+        The A fragment of an m64nNk16 wgmma / m16n8k16 mma gives lane ``c = lane % 4`` the columns
+        ``16 b + 8 h + 2 c + e`` (``h, e`` in {0, 1}) of every 16-column block ``b``. Writing ``b = 2t + u`` (``T =
+        BLOCK_K // 32`` values of ``t``), word ``w = c T + t`` of a row and its field ``j = 4u + 2h + e`` go to column
+        ``k' = 32 t + 16 u + 8 h + 2 c + e``, so the 8 fields of one int32 land in ONE thread's fragment (no data
+        moves between threads after the unpack). The sum over K does not care about the order as long as x's
+        columns follow it: column ``k'`` is input row ``8 w + j = 32 c + 8 t + 4 u + 2 h + e`` of the step, i.e.
+        ``[M, c, t, u, h, e] -> [M, t, u, h, c, e]``.
+        """
+        tl.static_assert(BLOCK_K % 32 == 0)
+        x6 = tl.reshape(xr, (BLOCK_M, 4, BLOCK_K // 32, 2, 2, 2))
+        return tl.reshape(tl.permute(x6, (0, 2, 3, 4, 1, 5)), (BLOCK_M, BLOCK_K))
+
+    @triton.jit
+    def _tc_unpack_bits(p, DT: tl.constexpr, PERMUTE_K: tl.constexpr = False):
         """4-bit fields of ``p`` (int32 ``[R, C]``) as ``B + q`` in ``DT`` (``_tc_magic_bits``): ``[R, 8C]``, column
         ``8c + j`` = field ``j`` of ``p[:, c]``. Plain Triton bit ops (variant ``TC``).
 
@@ -760,28 +781,25 @@ if triton is not None:
             f6 = (t2 >> 16).to(tl.int16).to(DT, bitcast=True)
             f3 = t3.to(tl.int16).to(DT, bitcast=True)
             f7 = (t3 >> 16).to(tl.int16).to(DT, bitcast=True)
-        return _tc_join8(f0, f1, f2, f3, f4, f5, f6, f7)
+        return _tc_join8(f0, f1, f2, f3, f4, f5, f6, f7, PERMUTE_K)
 
     @triton.jit
-    def _tc_unpack_asm(p, zpair, DT: tl.constexpr, SUB_ZERO: tl.constexpr):
+    def _tc_unpack_asm(p, zpair, DT: tl.constexpr, PERMUTE_K: tl.constexpr = False):
         """As ``_tc_unpack_bits`` (16-bit ``DT`` only, CUDA only: the interpreter runs no PTX), in one inline-PTX
         block per int32 (variant ``TC_ASM``), after FasterTransformer / Marlin's LOP3 dequantization: one shift,
         then per pair of adjacent fields ``(2i, 2i + 1)`` a PRMT that puts byte ``i`` of ``p`` and of ``p >> 4`` in
         the two halves and a LOP3 ``(t & 0x000F000F) | magic``: a packed pair ``(B + q_2i, B + q_2i+1)`` in one
-        register, the pairing of the MMA operand fragment (adjacent K). With ``SUB_ZERO`` one packed subtract of
-        ``zpair`` (``B + z`` in both halves, int32 bits) per pair leaves ``q - z`` exactly.
-        9 instructions per 8 weights (13 with ``SUB_ZERO``).
+        register, the pairing of the MMA operand fragment (adjacent K); one packed subtract of ``zpair`` (``B + z``
+        in both halves, int32 bits) per pair leaves ``q - z`` exactly: 13 instructions per 8 weights.
 
         Args: p int32 ``[R, C]``; zpair int32 ``[R, C]`` (broadcast of a per-row value). Returns ``DT [R, 8C]``.
         """
+        C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r,r"
         if DT == tl.bfloat16:
-            ASM: tl.constexpr = _TC_ASM_BF16_SUB if SUB_ZERO else _TC_ASM_BF16
+            f = tl.inline_asm_elementwise(_TC_ASM_BF16, C, [p, zpair], (tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
-            ASM: tl.constexpr = _TC_ASM_FP16_SUB if SUB_ZERO else _TC_ASM_FP16
-        f0, f1, f2, f3, f4, f5, f6, f7 = tl.inline_asm_elementwise(
-            ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [p, zpair], dtype=(DT,) * 8, is_pure=True, pack=1
-        )
-        return _tc_join8(f0, f1, f2, f3, f4, f5, f6, f7)
+            f = tl.inline_asm_elementwise(_TC_ASM_FP16, C, [p, zpair], (tl.float16,) * 8, is_pure=True, pack=1)
+        return _tc_join8(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], PERMUTE_K)
 
     def _tc_kernel_fn(
         x_ptr,  # [M, K] activations, row stride stride_xm, unit column stride
@@ -804,18 +822,20 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
         USE_ASM: tl.constexpr,  # TC_ASM: _tc_unpack_asm; TC: _tc_unpack_bits
-        SUM_X: tl.constexpr,  # W4A16Config.tc_sum_x: B + z removed per group through sum(x), not per weight
         EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+        PERMUTE_K: tl.constexpr,  # W4A16Config.tc_perm: the weight tile's columns in MMA-fragment order (_tc_kperm)
     ):
         """``W4A16Algo.TC`` / ``TC_ASM``: program ``(tile, pid_k)`` computes ``out^T [BLOCK_N, BLOCK_M]`` of its tile
         over K slice ``pid_k`` as ``W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]`` per K step (swap AB: the
         dequantized weight is the left, register-sourced MMA operand, the padded M the MMA's small N).
 
         Each step lies in one group (``GROUP_SIZE % BLOCK_K == 0`` or per-channel), so the scale leaves the tile:
-        ``acc += s[n] * d`` with ``d = W_int^T @ x^T`` of exact small integers ``W_int``:
-        ``q - z`` (``B + q`` minus ``B + z``, exact in bf16/fp16) or, with ``SUM_X``, ``B + q`` and
-        ``d - (B + z[n]) * sum_k x[m, k]`` after the dot (no float op per weight; the fp32 sum loses the bits of
-        ``B / |q - z|``, about 2**-17 relative for bf16)."""
+        ``acc += s[n] * (W_int^T @ x^T)`` with ``W_int = q - z`` (``B + q`` minus ``B + z``: exact small integers in
+        bf16/fp16), so the only rounding before the fp32 accumulator is x's own.
+
+        NOTE: removing ``B + z`` after the dot instead (``B + q`` in the tile, minus ``(B + z) * sum_k x``: no float
+        op per weight) was tried: the row sum of the MMA-layout x tile cost 112 SHFL + 114 FADD per K step on sm_90
+        (10.1 SASS instructions per weight in the loop vs 6.6), so it was dropped."""
         tl.static_assert(BLOCK_K % 8 == 0)
         BKP: tl.constexpr = BLOCK_K // 8
         DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -836,6 +856,8 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < M
         mask_n = offs_n < N
+        # rows past M read row M - 1 instead (their outputs are never stored): no mask, so the x loads can vectorize
+        rows_x = tl.minimum(offs_m, M - 1)
         MAGIC: tl.constexpr = _tc_magic_value(DT)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for it in range(it_start, it_end):
@@ -843,8 +865,16 @@ if triton is not None:
             kp = k0 // 8 + offs_kp
             # p^T: [BLOCK_N, BKP], contiguous along N (dim 0)
             p = tl.load(qw_ptr + kp[None, :] * N + offs_n[:, None], mask=(kp[None, :] < K // 8) & mask_n[:, None], other=0)
+            if PERMUTE_K:
+                p = tl.reshape(p, (BLOCK_N, 4, BKP // 4))  # word c * T + t -> [c, t]
             kk = k0 + offs_k
-            if EVEN_K:
+            if PERMUTE_K:  # x [BLOCK_M, BLOCK_K] loaded in order, its columns permuted in registers (_tc_kperm_x)
+                if EVEN_K:
+                    xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :])
+                else:
+                    xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :], mask=kk[None, :] < K, other=0.0)
+                xt = tl.trans(_tc_kperm_x(xr, BLOCK_M, BLOCK_K))
+            elif EVEN_K:
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :], other=0.0)
             else:
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < K), other=0.0)
@@ -854,16 +884,12 @@ if triton is not None:
             if USE_ASM:
                 zb = (z + MAGIC).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 zpair = tl.broadcast_to((zb | (zb << 16))[:, None], (BLOCK_N, BKP))
-                w = _tc_unpack_asm(p, zpair, DT, not SUM_X)
+                if PERMUTE_K:
+                    zpair = tl.reshape(zpair, (BLOCK_N, 4, BKP // 4))
+                w = _tc_unpack_asm(p, zpair, DT, PERMUTE_K)  # q - z, exact
             else:
-                w = _tc_unpack_bits(p, DT)
-                if not SUM_X:
-                    w = w - (z + MAGIC).to(DT)[:, None]  # (B + q) - (B + z) = q - z, exact
-            d = tl.dot(w, xt)  # [BLOCK_N, BLOCK_M] fp32
-            if SUM_X:
-                xs = tl.sum(xt.to(tl.float32), axis=0)  # [BLOCK_M]
-                d = d - (z + MAGIC)[:, None] * xs[None, :]
-            acc += s[:, None] * d
+                w = _tc_unpack_bits(p, DT, PERMUTE_K) - (z + MAGIC).to(DT)[:, None]  # (B + q) - (B + z) = q - z, exact
+            acc += s[:, None] * tl.dot(w, xt)  # [BLOCK_N, BLOCK_M] fp32
         _write_tile(tl.trans(acc), offs_m, offs_n, mask_m, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid, N,
                     stride_om, HAS_BIAS, SPLIT_K)
 
@@ -1077,8 +1103,8 @@ def w4a16_matmul(
     tensor_cores = cfg.algo in (W4A16Algo.DOT, W4A16Algo.DOT_SWAP)
     if x.is_cuda and tensor_cores and (cfg.block_m < 16 or cfg.block_k // pack < 16):
         raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16 and block_k // {pack} >= 16")
-    if x.is_cuda and cfg.algo in (W4A16Algo.TC, W4A16Algo.TC_ASM) and cfg.block_m < 16:
-        raise ValueError(f"config {cfg}: tl.dot needs block_m >= 16")  # TC's block_k: _launch_tc
+    if x.is_cuda and cfg.algo in (W4A16Algo.TC, W4A16Algo.TC_ASM) and cfg.block_m < 8:
+        raise ValueError(f"config {cfg}: tl.dot needs block_m >= 8 here (a wgmma of N = 8)")  # block_k: _launch_tc
 
     if cfg.algo == W4A16Algo.DEQUANT_MATMUL:
         # NOTE: a [K, N] scratch weight per call (from the caching allocator); meant for prefill-sized M
@@ -1135,7 +1161,7 @@ def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Conf
 
     Raises:
         ValueError: ``bits != 4``, a K step that spans two groups (``group_size`` neither a multiple of
-            ``block_k`` nor ``K``), ``block_k < 16``, ``TC_ASM`` off CUDA or with fp32 ``x``, ``tc_sum_x`` with fp32 ``x``.
+            ``block_k`` nor ``K``), ``block_k < 16``, ``TC_ASM`` off CUDA or with fp32 ``x``.
     """
     M, K = x.shape
     N = qweight.shape[1]
@@ -1143,10 +1169,8 @@ def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Conf
         raise ValueError(f"config {cfg}: {cfg.algo.value} takes 4-bit weights only, got bits={bits}")
     if group_size % cfg.block_k and group_size != K:
         raise ValueError(f"config {cfg}: {cfg.algo.value} needs group_size ({group_size}) a multiple of block_k or K ({K})")
-    if cfg.block_k < 16 or cfg.block_n < 16:
-        raise ValueError(f"config {cfg}: tl.dot needs block_k >= 16 and block_n >= 16")
-    if cfg.tc_sum_x and x.dtype == torch.float32:
-        raise ValueError(f"config {cfg}: tc_sum_x needs fp16/bf16 x (fp32's magic 2**23 leaves no bits for the products)")
+    if cfg.block_k < 16 or cfg.block_n < 16 or (cfg.tc_perm and cfg.block_k % 32):
+        raise ValueError(f"config {cfg}: tl.dot needs block_k >= 16 and block_n >= 16; tc_perm block_k % 32 == 0")
     if cfg.algo == W4A16Algo.TC_ASM and (not x.is_cuda or x.dtype == torch.float32):
         raise ValueError(f"config {cfg}: tc_asm is inline PTX: CUDA and fp16/bf16 x only (got {x.device}, {x.dtype})")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -1156,8 +1180,8 @@ def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Conf
     _kernel_for(x.device, "_tc_kernel_fn")[(num_tiles, cfg.split_k)](
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, M, N, K, x.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_ASM=cfg.algo == W4A16Algo.TC_ASM, SUM_X=cfg.tc_sum_x,
-        EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_ASM=cfg.algo == W4A16Algo.TC_ASM,
+        EVEN_K=K % cfg.block_k == 0, PERMUTE_K=cfg.tc_perm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
