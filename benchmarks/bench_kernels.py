@@ -270,6 +270,31 @@ def time_decode(batch, ctx, ceil, rows, sweeps, block_size=16, sdpa=True):
     del sets, sdpa_sets
 
 
+def time_decode_batch1(ceil, rows, ctx=512, max_seq_len=1536):
+    """Batch-1 decode of issue 4's latency target (Llama-3-8B heads, context ``ctx``), with the host bound
+    ``max_seq_len`` the engine's decode graphs are captured with (``max_model_len``: 1536 for the bench
+    workload), against split counts and key-tile sizes; attention + merge in one CUDA graph per variant."""
+    sets = [paged_batch([1], [ctx], seed=40 + i) for i in range(2)]
+    for s in sets:
+        s["max_seq_len"] = max_seq_len
+    nbytes = kv_bytes(sets[0])
+    outs = [torch.empty_like(s["query"]) for s in sets]
+    name = f"decode B=1 ctx={ctx} bound={max_seq_len}"
+
+    def row(variant, ms):
+        rows.append(dict(name=name, variant=variant, ms=ms, kv_GBps=nbytes / (ms * 1e-3) / 1e9,
+                         frac_copy_bw=nbytes / (ms * 1e-3) / ceil["copy_bw_Bps"],
+                         roofline_ms=nbytes / ceil["copy_bw_Bps"] * 1e3))
+
+    auto = pa.pick_num_kv_splits(1, HKV, max_seq_len, DEV)
+    row(f"triton (splits={auto}) cuda-graph", bench([lambda s=s, o=o: call(s, out=o) for s, o in zip(sets, outs)], graph=True))
+    for splits in (1, 2, 4, 8, 16, 32):
+        for tile_n in (16, 32, 64):
+            cfg = pa.KernelConfig(16, tile_n, 4, 2)
+            fns = [lambda s=s, o=o, c=cfg, n=splits: launch(s, o, c, n) for s, o in zip(sets, outs)]
+            row(f"triton splits={splits} {cfg_name(cfg)} cuda-graph", bench(fns, graph=True))
+
+
 def launch(b, out, cfg, splits):
     """All sequences in one launch with tiles ``cfg`` (the config sweeps)."""
     pa.launch_attention(b["query"], b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens"],
@@ -399,6 +424,8 @@ def main():
     ap.add_argument("--skip-defaults", action="store_true", help="no timings of the defaults")
     ap.add_argument("--skip-prefill-sweep", action="store_true")
     ap.add_argument("--decode-sweep", action="store_true", help="split-count and decode tile sweeps")
+    ap.add_argument("--batch1-sweep", action="store_true",
+                    help="batch-1 decode at context 512 (bound 1536): split counts x key tiles")
     ap.add_argument("--block-size-sweep", action="store_true", help="prefill and decode at block_size 32/64/128")
     ap.add_argument("--prefill-sweep", action="store_true",
                     help="only the prefill candidates beside the default and SDPA: --skip-grid --skip-defaults")
@@ -433,6 +460,8 @@ def main():
             best["cfg"] = time_prefill(ceil, timings, checks, defaults=args.skip_defaults,
                                        candidates=PREFILL_CANDIDATES, sdpa=args.skip_defaults)
         sections.append(("prefill sweep", sweep))
+    if args.batch1_sweep:
+        sections.append(("decode 1x512 sweep", lambda: time_decode_batch1(ceil, timings)))
     if args.block_size_sweep:
         for bs in (32, 64, 128):
             sections += [
