@@ -252,3 +252,84 @@ def test_kernel_real_size_cuda(M):
     x = torch.randn(M, 4096, device=DEVICE, dtype=torch.bfloat16)
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)
     assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)) < 1e-2
+
+
+# W4A16Algo.TC (issue 7 round 5): (M, K, N, group_size, config, x dtype). The interpreter runs TC only (TC_ASM is
+# inline PTX) and only fp32/fp16 x (its bf16 arithmetic and bf16 tl.dot are wrong: DOT_SWAP fails there too).
+# Cases: split-K + bias, groups of 64 = BLOCK_K and 128 = 2 steps, per-channel with K % BLOCK_K != 0 (masked last
+# step), tc_perm (the K order of the MMA fragment) with BLOCK_K 32 and 64, M past one BLOCK_M tile, N % BLOCK_N != 0.
+TC_CASES = [
+    (5, 256, 48, 128, k.W4A16Config(16, 16, 64, 2, algo=A.TC), torch.float32),
+    (3, 264, 40, 264, k.W4A16Config(16, 32, 64, 1, algo=A.TC), torch.float32),
+    (3, 264, 40, 264, k.W4A16Config(16, 32, 32, 3, algo=A.TC, tc_perm=True), torch.float32),
+    (2, 256, 64, 64, k.W4A16Config(16, 32, 64, 2, algo=A.TC, tc_perm=True), torch.float32),
+    (18, 128, 24, 128, k.W4A16Config(16, 16, 64, 1, algo=A.TC, tc_perm=True), torch.float16),
+    (4, 256, 64, 64, k.W4A16Config(16, 32, 64, 2, algo=A.TC), torch.float16),
+]
+
+
+@pytest.mark.parametrize("M,K,N,group_size,config,dtype", TC_CASES)
+def test_tc_matches_reference(M, K, N, group_size, config, dtype):
+    if HAS_CUDA:
+        pytest.skip("interpreter cases (fp32 x); CUDA: test_tc_cuda")
+    _, qweight, scales, zeros = random_layer(K, N, 4, group_size, seed=11)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(12)).to(dtype)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(13)).to(dtype) if config.split_k > 1 else None
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias, config=config)
+    ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, group_size, bias=None if bias is None else bias.float())
+    assert out.dtype == dtype and out.shape == (M, N)
+    # fp32: the dot of exact integers q - z, scaled in fp32 (rounding only); fp16: the output's 2**-11 rounding
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert rel(out, ref) < tol
+    # the check can fail: the zero point off by one (what a misplaced field or wrong magic looks like) is far outside
+    assert rel(k.w4a16_matmul_ref(x.float(), qweight, scales, zeros + 1, 4, group_size), ref) > 20 * tol
+    if config.split_k > 1:
+        ws, locks = k._WORKSPACE._buffers[x.device]
+        assert not ws.any() and not locks.any(), "split-K must leave its workspace zeroed"
+
+
+def test_tc_perm_fields_exact():
+    # every 4-bit value at every field position, x = the identity: out = the dequantized weight's transpose, exactly
+    # (a field landing on the wrong input row or a wrong x column order would move values)
+    if HAS_CUDA:
+        pytest.skip("float32 activations are an interpreter-only case")
+    K, N = 64, 16
+    q = ((torch.arange(K).view(K, 1) * 3 + torch.arange(N).view(1, N)) % 16).to(torch.int32)
+    scales = torch.ones(1, N, dtype=torch.float16)
+    zeros = torch.full((1, N), 16, dtype=torch.int16)
+    for perm in (False, True):
+        cfg = k.W4A16Config(K, N, 64, 1, algo=A.TC, tc_perm=perm)
+        out = k.w4a16_matmul(torch.eye(K), k.pack_rows(q, 4), scales, zeros, 4, K, config=cfg)
+        assert torch.equal(out, (q - 16).float()), perm
+
+
+def test_tc_rejects_what_it_cannot_run():
+    _, qweight, scales, zeros = random_layer(128, 32, 4, 32, device="cpu")
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="multiple of block_k"):  # a K step would span 2 groups
+        k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(16, 16, 64, algo=A.TC))
+    _, q8, s8, z8 = random_layer(128, 32, 8, 128, device="cpu")
+    with pytest.raises(ValueError, match="4-bit"):
+        k.w4a16_matmul(x, q8, s8, z8, 8, 128, config=k.W4A16Config(16, 16, 64, algo=A.TC))
+    with pytest.raises(ValueError, match="block_k % 32"):
+        k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(16, 16, 16, algo=A.TC, tc_perm=True))
+    with pytest.raises(ValueError, match="tc_perm is a TC"):
+        k.W4A16Config(16, 16, 64, algo=A.DOT, tc_perm=True)
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="inline PTX"):
+            k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(16, 16, 32, algo=A.TC_ASM))
+    assert str(k.W4A16Config(16, 128, 128, 4, algo=A.TC_ASM, tc_perm=True)) == "tc_asm 16x128x128 split4 w4 s3 perm"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (TC_ASM is inline PTX; bf16 tl.dot)")
+@pytest.mark.parametrize("algo", [A.TC, A.TC_ASM])
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tc_cuda(algo, perm, dtype):
+    _, qweight, scales, zeros = random_layer(4096, 1000, 4, 128)
+    x = torch.randn(7, 4096, device=DEVICE, dtype=dtype)
+    bias = torch.randn(1000, device=DEVICE, dtype=dtype)
+    cfg = k.W4A16Config(16, 128, 128, 4, algo=algo, tc_perm=perm)
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128, bias=bias, config=cfg)
+    ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128, bias=bias.float())
+    assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
