@@ -5,6 +5,8 @@ Usage (GPU)::
 
     python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16_h200_round2.json
     python benchmarks/bench_w4a16.py --variants gemv --out benchmarks/results/w4a16_h200_round4_gemv.json  # M = 1 only
+    python benchmarks/bench_w4a16.py --variants tc --out benchmarks/results/w4a16_h200_round5_tc.json  # M = 1, 4, 16
+    python benchmarks/bench_w4a16.py --sass  # no GPU: SASS instructions per weight of the M <= 16 kernels (sm_90)
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
    as ``||out - ref|| / ||ref||`` on fresh random data, for the Llama-3-8B layer shapes at every M and
@@ -326,6 +328,126 @@ def time_gemv_variants(device) -> list[dict]:
     return rows
 
 
+def tc_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
+    """``--variants tc`` candidates (issue 7 round 5, ``W4A16Algo.TC``/``TC_ASM``): BLOCK_M 8 (a wgmma of N = 8) for
+    M <= 8, else 16; ``TC_ASM`` with ``tc_perm`` (no shared-memory round trip of the unpacked weights, SASS: 4.2
+    instructions per weight in the loop at 16x128x128) at 64 and 128 columns, 3 or 4 programs per SM, and, at M > 1,
+    the plain-bit-ops ``TC`` with ``tc_perm`` (5.2) and ``TC_ASM`` without it (6.4: the tile through shared memory)."""
+    bm = 8 if M <= 8 else 16
+    out = []
+    for algo, perm, bn, per_sm, stages in ((k.W4A16Algo.TC_ASM, True, 128, 4, 3), (k.W4A16Algo.TC_ASM, True, 64, 4, 3),
+                                           (k.W4A16Algo.TC_ASM, True, 128, 3, 4), (k.W4A16Algo.TC, True, 128, 4, 3),
+                                           (k.W4A16Algo.TC_ASM, False, 128, 4, 3)):
+        if M == 1 and (algo == k.W4A16Algo.TC or not perm):
+            continue
+        split = k.split_k_for(-(-M // bm) * -(-N // bn), -(-K // 128), sms, per_sm)
+        out.append(k.W4A16Config(bm, bn, 128, split, 4, stages, algo, tc_perm=perm))
+    return out
+
+
+def time_tc_variants(device) -> list[dict]:
+    """``--variants tc``: at M = 1, 4, 16 on the three shapes, bf16 matmul, the default config and every
+    ``tc_candidates`` config, each checked against ``w4a16_matmul_ref`` (fp32 x and weight) on the timed layer
+    and, once per config, on the off-grid cases of ``_tc_extra_checks``, before it is timed on the graph clock."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for K, N in SHAPES:
+        int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
+        for M in (1, 4, 16):
+            xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
+            bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
+            default = k.default_config(M, N, K, GROUP, device)
+            for cfg in [None] + [c for c in tc_candidates(M, N, K, sms) if c != default]:
+                used = str(cfg or default)
+                label = "default" if cfg is None else used
+                try:
+                    out = k.w4a16_matmul(xs[0], *qsets[0], 4, GROUP, config=cfg)
+                    err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP))
+                    if cfg is not None and (K, N) == SHAPES[0]:
+                        err = max([err] + _tc_extra_checks(cfg, M, device))
+                    if not err < 1e-2:
+                        raise AssertionError(f"rel_err {err:.3g}")
+                    g_us = graph_time_ms(lambda i, cfg=cfg: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)) * 1e3
+                except Exception as e:  # noqa: BLE001 (record and go on: one call of device time)
+                    rows.append(dict(K=K, N=N, M=M, config=label, used=used, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    print("  config failed", label, rows[-1]["error"], flush=True)
+                    continue
+                rows.append(dict(K=K, N=N, M=M, config=label, used=used, graph_us=g_us, bf16_graph_us=bf16_us,
+                                 speedup=bf16_us / g_us, rel_err=err, int4_tb_s=int4_bytes / g_us / 1e6))
+                print(f"  K={K:5d} N={N:5d} M={M:2d} {used[:44]:44s} {g_us:7.1f} us  x{bf16_us / g_us:4.2f}  "
+                      f"{int4_bytes / g_us / 1e6:4.2f} TB/s  err {err:.1e}", flush=True)
+    ws, locks = k._WORKSPACE._buffers[device]
+    rows.append(dict(case="split-K workspace left zeroed", ok=bool((ws == 0).all() and (locks == 0).all())))
+    return rows
+
+
+def _tc_extra_checks(cfg: k.W4A16Config, M: int, device) -> list[float]:
+    """Relative errors of ``cfg`` off the timed grid: per-channel K = 4104 (K % BLOCK_K != 0) with N = 1000
+    (N % BLOCK_N != 0) and a bias, fp16 x, and M = 2 * BLOCK_M + 3 (several M tiles)."""
+    errs = []
+    for K, N, G, dtype, m, bias in ((4104, 1000, 4104, torch.bfloat16, M, True), (4096, 1024, 128, torch.float16, M, False),
+                                    (4096, 1024, 128, torch.bfloat16, 2 * cfg.block_m + 3, False)):
+        q = random_layer(K, N, 4, G, device)
+        x = torch.randn(m, K, device=device, dtype=dtype)
+        b = torch.randn(N, device=device, dtype=dtype) if bias else None
+        errs.append(rel_err(k.w4a16_matmul(x, *q, 4, G, bias=b, config=cfg), k.w4a16_matmul_ref(x.float(), *q, 4, G, bias=b)))
+    return errs
+
+
+def sass_report() -> list[dict]:
+    """``--sass`` (no GPU needed): compile the M <= 16 kernels for sm_90 with this machine's Triton and count the SASS
+    instructions of the K loop (the longest backward branch) per weight a thread unpacks per step, plus the
+    instructions that say where the weight tile goes: STS/LDS/LDSM (shared-memory round trip), HGMMA/HMMA, SHFL."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    cuobjdump = triton.knobs.nvidia.cuobjdump.path if hasattr(triton, "knobs") else "cuobjdump"
+    base = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
+    variants = [(f"dot 16x{bn}x128", k._w4a16_kernel, dict(BITS=4, ALGO=1), 16, bn) for bn in (64, 128)]
+    variants += [("dot_swap 16x64x128", k._w4a16_kernel, dict(BITS=4, ALGO=2), 16, 64)]
+    for asm, perm, bm, bn in ((True, True, 16, 64), (True, True, 16, 128), (True, True, 8, 128), (False, True, 16, 128),
+                              (True, False, 16, 128), (False, False, 16, 128)):
+        name = f"{'tc_asm' if asm else 'tc'} {bm}x{bn}x128{' perm' if perm else ''}"
+        variants.append((name, k._tc_kernel, dict(USE_ASM=asm, PERMUTE_K=perm, EVEN_K=True), bm, bn))
+    rows = []
+    for name, fn, extra, bm, bn in variants:
+        cx = dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=4, **extra)
+        sig = dict(base, **{n: "constexpr" for n in cx})
+        c = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s*([^;/]*);", sass)]
+        loop = []
+        for addr, txt in ins:
+            m = re.search(r"BRA (0x[0-9a-f]+)", txt)
+            if m and int(m.group(1), 16) < addr:
+                body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+                loop = body if len(body) > len(loop) else loop
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
+        per_thread = bn * 128 / 128  # weights a thread unpacks per K step (4 warps)
+
+        def n(*prefixes):
+            return sum(v for op, v in ops.items() if op.startswith(prefixes))
+
+        rows.append(dict(variant=name, loop_instr=len(loop), instr_per_weight=len(loop) / per_thread,
+                         sts=n("STS"), lds=n("LDS"), ldsm=n("LDSM"), mma=n("HGMMA", "HMMA"), shfl=n("SHFL"),
+                         local=n("LDL", "STL"), regs=c.n_regs if hasattr(c, "n_regs") else None,
+                         shared_bytes=c.metadata.shared, top=ops.most_common(8)))
+        print(f"{name:28s} loop {len(loop):4d} instr = {len(loop) / per_thread:5.2f}/weight  STS {rows[-1]['sts']:3d} "
+              f"LDS {rows[-1]['lds']:3d} LDSM {rows[-1]['ldsm']:2d} MMA {rows[-1]['mma']:2d} SHFL {rows[-1]['shfl']:3d} "
+              f"local {rows[-1]['local']} smem {c.metadata.shared}", flush=True)
+    return rows
+
+
 def e2e_paged(device, num_requests: int = 4, context: int = 512, decode_steps: int = 64) -> dict:
     """Batch-1 decode through the paged engine (compiled layers + CUDA graphs, the engine's defaults) of a
     Llama-3-8B-shaped model with random weights: bf16 vs GPTQ 4-bit g128 (``run_paged``'s ``decode_batch1``)."""
@@ -356,9 +478,21 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
     parser.add_argument("--no-e2e", action="store_true")
-    parser.add_argument("--variants", choices=["gemv"], default=None,
-                        help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes)")
+    parser.add_argument("--variants", choices=["gemv", "tc"], default=None,
+                        help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
+                             "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16")
+    parser.add_argument("--sass", action="store_true",
+                        help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
     args = parser.parse_args()
+    if args.sass:
+        rows = sass_report()
+        if args.out:
+            with open(args.out, "w") as f:
+                import triton
+
+                json.dump({"command": "python benchmarks/bench_w4a16.py --sass", "target": "cuda sm_90 (compiled, not run)",
+                           "triton": triton.__version__, "date": datetime.date.today().isoformat(), "sass": rows}, f, indent=1)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_w4a16 needs a CUDA GPU")
     import transformers
@@ -374,6 +508,24 @@ def main() -> None:
                      "python": platform.python_version(), "cuda": torch.version.cuda},
     }
     t0 = t_start = time.perf_counter()
+    if args.variants == "tc":
+        report["command"] = "python benchmarks/bench_w4a16.py --variants tc"
+        report["kernel_round"] = 5
+        report["tc"] = rows = time_tc_variants(device)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
+        for K, N in SHAPES:
+            for M in (1, 4, 16):
+                rs = sorted((r for r in rows if r.get("K") == K and r.get("N") == N and r.get("M") == M and "graph_us" in r),
+                            key=lambda r: r["graph_us"])
+                for r in rs[:3] + [r for r in rs[3:] if r["config"] == "default"]:
+                    print(f"{K:5d}x{N:<5d} M={M:2d} {r['config'][:40]:40s} {r['graph_us']:7.1f} x{r['speedup']:4.2f} "
+                          f"{r['int4_tb_s']:4.2f} TB/s  (bf16 {r['bf16_graph_us']:.1f}, target x{TARGET_SMALL_M[(K, N)]})")
+        failed = [r for r in rows if "error" in r or r.get("ok") is False]
+        print(f"failed: {len(failed)}; total {time.perf_counter() - t_start:.0f} s")
+        return
     if args.variants == "gemv":
         report["command"] = "python benchmarks/bench_w4a16.py --variants gemv"
         report["kernel_round"] = 4
