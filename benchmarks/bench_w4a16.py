@@ -331,26 +331,26 @@ def time_gemv_variants(device) -> list[dict]:
 def tc_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
     """``--variants tc`` candidates (issue 7 round 5, ``W4A16Algo.TC``/``TC_ASM``): BLOCK_M 8 (a wgmma of N = 8) for
     M <= 8, else 16; ``TC_ASM`` with ``tc_perm`` (no shared-memory round trip of the unpacked weights, SASS: 4.2
-    instructions per weight in the loop at 16x128x128) at 64 and 128 columns, 3 or 4 programs per SM, and, at M > 1,
+    instructions per weight in the loop at 16x128x128) at 64 and 128 columns, 4 programs per SM, and, at M = 16,
     the plain-bit-ops ``TC`` with ``tc_perm`` (5.2) and ``TC_ASM`` without it (6.4: the tile through shared memory)."""
     bm = 8 if M <= 8 else 16
     out = []
     for algo, perm, bn, per_sm, stages in ((k.W4A16Algo.TC_ASM, True, 128, 4, 3), (k.W4A16Algo.TC_ASM, True, 64, 4, 3),
-                                           (k.W4A16Algo.TC_ASM, True, 128, 3, 4), (k.W4A16Algo.TC, True, 128, 4, 3),
-                                           (k.W4A16Algo.TC_ASM, False, 128, 4, 3)):
-        if M == 1 and (algo == k.W4A16Algo.TC or not perm):
+                                           (k.W4A16Algo.TC, True, 128, 4, 3), (k.W4A16Algo.TC_ASM, False, 128, 4, 3)):
+        if M < 16 and (algo == k.W4A16Algo.TC or not perm):  # the comparisons once per shape (compile time)
             continue
         split = k.split_k_for(-(-M // bm) * -(-N // bn), -(-K // 128), sms, per_sm)
         out.append(k.W4A16Config(bm, bn, 128, split, 4, stages, algo, tc_perm=perm))
     return out
 
 
-def time_tc_variants(device) -> list[dict]:
+def time_tc_variants(device, report: dict, out_path: str | None) -> list[dict]:
     """``--variants tc``: at M = 1, 4, 16 on the three shapes, bf16 matmul, the default config and every
     ``tc_candidates`` config, each checked against ``w4a16_matmul_ref`` (fp32 x and weight) on the timed layer
-    and, once per config, on the off-grid cases of ``_tc_extra_checks``, before it is timed on the graph clock."""
+    and, once per config, on the off-grid cases of ``_tc_extra_checks``, before it is timed on the graph clock.
+    ``report["tc"]`` (the rows so far) is written to ``out_path`` after each shape, in case the run is cut short."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    rows = []
+    rows = report["tc"] = []
     for K, N in SHAPES:
         int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
         for M in (1, 4, 16):
@@ -376,6 +376,9 @@ def time_tc_variants(device) -> list[dict]:
                                  speedup=bf16_us / g_us, rel_err=err, int4_tb_s=int4_bytes / g_us / 1e6))
                 print(f"  K={K:5d} N={N:5d} M={M:2d} {used[:44]:44s} {g_us:7.1f} us  x{bf16_us / g_us:4.2f}  "
                       f"{int4_bytes / g_us / 1e6:4.2f} TB/s  err {err:.1e}", flush=True)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=1)
     ws, locks = k._WORKSPACE._buffers[device]
     rows.append(dict(case="split-K workspace left zeroed", ok=bool((ws == 0).all() and (locks == 0).all())))
     return rows
@@ -511,7 +514,7 @@ def main() -> None:
     if args.variants == "tc":
         report["command"] = "python benchmarks/bench_w4a16.py --variants tc"
         report["kernel_round"] = 5
-        report["tc"] = rows = time_tc_variants(device)
+        rows = time_tc_variants(device, report, args.out)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
