@@ -9,7 +9,7 @@ itself is checked in ``test_gemv.py``.
 import pytest
 import torch
 
-from conftest import engine_greedy, random_prompts
+from conftest import engine_greedy, make_tiny_model, random_prompts
 from paged_transformers import EngineConfig, LLMEngine, decode_linear
 from paged_transformers.compile import INDUCTOR_OPTIONS, decoder_layers
 from paged_transformers.fusion import COMPILE_OPTIONS, fuse_projections, unfuse_projections
@@ -63,12 +63,12 @@ def _compiled_layer_outputs(layer, cases, fuse_enabled: bool, monkeypatch) -> li
     return [o[0] if isinstance(o, tuple) else o for o in outs]
 
 
-def test_one_graph_layer_folds_all_four_products(tiny_model, recorder, monkeypatch):
+def test_one_graph_layer_folds_all_four_products(recorder, monkeypatch):
     """A whole bf16 Llama layer in one graph (stock SDPA attention, no break): at one token all four products of
     the fused layer take their prologue / epilogue (q|k|v: input norm; o: residual; gate|up: post norm and SiLU *
     up; down: residual) and no norm, SiLU or add node is left; at 2 tokens (the dynamic graph) nothing changes.
     Outputs equal the unfused compiled layer's within bf16 rounding, and the eager layer's."""
-    model = tiny_model("llama", seed=21).to(torch.bfloat16)
+    model = make_tiny_model("llama", 21).to(torch.bfloat16)  # not the cached fixture's: .to() is in place
     handle = fuse_projections(model)
     try:
         layer = decoder_layers(model)[0]
@@ -95,10 +95,10 @@ def test_one_graph_layer_folds_all_four_products(tiny_model, recorder, monkeypat
     assert torch.equal(fused[1], plain[1])  # the 2-token graph is the same code
 
 
-def test_engine_batch1_graph_is_fused_and_tokens_unchanged(tiny_model, recorder, monkeypatch):
+def test_engine_batch1_graph_is_fused_and_tokens_unchanged(recorder, monkeypatch):
     """Through the engine (piecewise graphs, paged attention): the batch-1 MLP graph runs 2 fused products and no
     norm / SiLU / add node; the n-row graphs hold none; greedy tokens equal those with the fusion off."""
-    model = tiny_model("llama", seed=3).to(torch.bfloat16)
+    model = make_tiny_model("llama", 3).to(torch.bfloat16)
     prompts, max_tokens = random_prompts(3, 1, 20, seed=5), [6, 3, 8]
     tokens = []
     for fuse in (True, False):
@@ -166,3 +166,23 @@ def test_op_reference_path_equals_the_unfused_ops():
     got = torch.ops.paged_transformers.linear_fused(a, w, None, b, nw, torch.tensor(1e-5, dtype=torch.float64), r,
                                                     None, True)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused GEMV and CUDA graphs need CUDA")
+def test_cuda_graph_batch1_decode_fused_equals_unfused(monkeypatch):
+    """bf16 on the GPU, engine defaults (compiled layers, fused projections, CUDA graphs, Triton attention): one
+    request at a time, so decode replays the batch-1 graph, whose MLP graph runs the fused GEMVs; greedy tokens
+    equal those with the fusion off."""
+    model = make_tiny_model("llama", 8, hidden_size=256, intermediate_size=512).to("cuda", torch.bfloat16)
+    prompts = random_prompts(3, 4, 30, seed=7)
+    tokens = []
+    for fuse in (True, False):
+        monkeypatch.setattr(decode_linear, "FUSE_ENABLED", fuse)
+        torch._dynamo.reset()
+        config = EngineConfig(max_model_len=256, max_num_seqs=4)
+        with LLMEngine(model, engine_config=config) as engine:
+            assert engine.runner.compile_error is None and engine.runner.graph_capture_error is None
+            assert 1 in engine.runner.graphs
+            tokens.append([engine_greedy(engine, [p], [12])[0] for p in prompts])
+    torch._dynamo.reset()
+    assert tokens[0] == tokens[1]
