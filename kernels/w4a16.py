@@ -201,7 +201,7 @@ class W4A16Config:
     # GEMV only: 0 off; 12 or 15: FFMA the biased field 2**(23-E) + q directly (no FADD per weight), the bias
     # removed once per group (``_gemv_step_biased``); the value is the lowest field position T (E in {T, T+4})
     biased_fma: int = 0
-    # TC/TC_ASM only: the tile's K order permuted to the MMA fragment's (_tc_kperm; block_k % 32 == 0)
+    # TC/TC_ASM only: the tile's K order permuted to the MMA fragment's (_tc_kperm_x; block_k % 32 == 0)
     tc_perm: bool = False
 
     def __post_init__(self):
@@ -823,7 +823,7 @@ if triton is not None:
         SPLIT_K: tl.constexpr,
         USE_ASM: tl.constexpr,  # TC_ASM: _tc_unpack_asm; TC: _tc_unpack_bits
         EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
-        PERMUTE_K: tl.constexpr,  # W4A16Config.tc_perm: the weight tile's columns in MMA-fragment order (_tc_kperm)
+        PERMUTE_K: tl.constexpr,  # W4A16Config.tc_perm: the weight tile's columns in MMA-fragment order (_tc_kperm_x)
     ):
         """``W4A16Algo.TC`` / ``TC_ASM``: program ``(tile, pid_k)`` computes ``out^T [BLOCK_N, BLOCK_M]`` of its tile
         over K slice ``pid_k`` as ``W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]`` per K step (swap AB: the
