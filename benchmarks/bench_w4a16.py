@@ -329,18 +329,18 @@ def time_gemv_variants(device) -> list[dict]:
 
 
 def tc_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
-    """``--variants tc`` candidates (issue 7 round 5, ``W4A16Algo.TC``/``TC_ASM``): BLOCK_M 8 (a wgmma of N = 8) for
-    M <= 8, else 16; ``TC_ASM`` with ``tc_perm`` (no shared-memory round trip of the unpacked weights, SASS: 4.2
-    instructions per weight in the loop at 16x128x128) at 64 and 128 columns, 4 programs per SM, and, at M = 16,
-    the plain-bit-ops ``TC`` with ``tc_perm`` (5.2) and ``TC_ASM`` without it (6.4: the tile through shared memory)."""
-    bm = 8 if M <= 8 else 16
+    """``--variants tc`` candidates (issue 7, round 5 second pass): ``TC_ASM`` with ``tc_perm`` (SASS: 4.2
+    instructions per weight in the loop at 16x128x128, no shared-memory round trip of the unpacked weights), 16
+    rows for every M (the first pass's 8-row wgmma ran 2-6x slower than 16 rows at M = 1 and 4), around its best
+    first-pass config 16x64x128 / 4 programs per SM / 3 stages / 4 warps: 32-column tiles, 2 and 8 programs per SM,
+    2 and 4 stages, 2 and 8 warps. M = 1 keeps the GEMV (7.0 / 13.5 / 13.9 us against 9.6 / 21.9 / 20.7 here)."""
+    if M == 1:
+        return []
     out = []
-    for algo, perm, bn, per_sm, stages in ((k.W4A16Algo.TC_ASM, True, 128, 4, 3), (k.W4A16Algo.TC_ASM, True, 64, 4, 3),
-                                           (k.W4A16Algo.TC, True, 128, 4, 3), (k.W4A16Algo.TC_ASM, False, 128, 4, 3)):
-        if M < 16 and (algo == k.W4A16Algo.TC or not perm):  # the comparisons once per shape (compile time)
-            continue
-        split = k.split_k_for(-(-M // bm) * -(-N // bn), -(-K // 128), sms, per_sm)
-        out.append(k.W4A16Config(bm, bn, 128, split, 4, stages, algo, tc_perm=perm))
+    for bn, per_sm, stages, warps in ((64, 4, 3, 4), (64, 2, 3, 4), (64, 8, 3, 4), (64, 4, 2, 4), (64, 4, 4, 4),
+                                      (64, 4, 3, 2), (32, 4, 3, 4), (32, 8, 3, 4), (32, 8, 3, 2), (128, 4, 3, 8)):
+        split = k.split_k_for(-(-M // 16) * -(-N // bn), -(-K // 128), sms, per_sm)
+        out.append(k.W4A16Config(16, bn, 128, split, warps, stages, k.W4A16Algo.TC_ASM, tc_perm=True))
     return out
 
 

@@ -23,6 +23,8 @@ Usage (GPU)::
    (``decode_linear.FUSE_ENABLED``, issue #4): ``on`` (the default), ``off`` or ``both`` (A/B in one process; the
    short table then gives device time, kernels and wall time per step of batch 1, batch 256 and prefill 8x1024
    each way). E.g. ``python benchmarks/profile_decode.py --compile on --decode-fusion both --out $OUT/f.json``.
+   ``--combo-kernels on|off|both`` turns Inductor's ``combo_kernels`` (horizontal fusion of independent kernels,
+   e.g. the rotary embedding of q and of k, into one launch) on for the compiled layers; the engine leaves it off.
 2. cuBLAS bf16 GEMV/GEMM times (``torch.matmul``, ``triton.testing.do_bench`` median, weights rotated over
    sets larger than L2) for the Llama-3-8B projections, separate and fused (q|k|v, gate|up), at M = 1
    and M = 256, as achieved bytes/s of the weight.
@@ -125,7 +127,7 @@ def fusion_check(shape: str = "llama-3-8b", tokens: tuple[int, ...] = (1, 256), 
 
 
 def profile_engine(batches: list[int], context: int, steps: int, compile_layers: bool, fuse: bool | None = None,
-                   decode_gemv: bool = True, decode_fusion: bool = True) -> dict:
+                   decode_gemv: bool = True, decode_fusion: bool = True, combo_kernels: bool = False) -> dict:
     from paged_transformers import decode_linear
     from paged_transformers.bench import build_model
     from paged_transformers.config import EngineConfig
@@ -138,6 +140,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     torch._dynamo.utils.counters.clear()
     decode_linear.GEMV_ENABLED = decode_gemv  # read when the batch-1 graph is captured (engine start)
     decode_linear.FUSE_ENABLED = decode_fusion  # read when the layers are compiled (engine start)
+    torch._inductor.config.combo_kernels = combo_kernels  # Inductor's global config, read at compile time
     engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, compile_layers=compile_layers,
                                                          fuse_projections=fuse))
     fusion = getattr(engine.runner, "fusion", None)
@@ -196,6 +199,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
                             "gemm": gemm_summary(prof, 1), "kernels": kernel_table(prof, 1)}
     engine.close()
     decode_linear.GEMV_ENABLED = decode_linear.FUSE_ENABLED = True
+    torch._inductor.config.combo_kernels = False
     del engine, model
     gc.collect()  # the engine holds reference cycles (scheduler -> engine callbacks)
     torch._dynamo.reset()
@@ -239,6 +243,9 @@ def main() -> None:
     ap.add_argument("--decode-fusion", choices=["on", "off", "both"], default="on",
                     help="fold RMSNorm / residual adds / SiLU*up into the batch-1 GEMVs of the compiled layers (on, the "
                          "engine's default) or not (off); both: profile the compiled engine each way")
+    ap.add_argument("--combo-kernels", choices=["on", "off", "both"], default="off",
+                    help="Inductor's combo_kernels (horizontal fusion of independent kernels into one launch, e.g. "
+                         "the rotary embedding of q and of k) in the compiled layers: off (the engine's default), on, both")
     ap.add_argument("--check-shapes", nargs="*", default=["llama-3-8b"],
                     help="with --fuse both: one-layer models checked by fusion_check first (e.g. llama-3-8b qwen2.5-7b)")
     ap.add_argument("--gemv", action="store_true", help="also time the cuBLAS projections (part 2)")
@@ -260,13 +267,16 @@ def main() -> None:
     fuses = {"on": [True], "off": [False], "both": [True, False]}[args.fuse]
     gemvs = {"on": [True], "off": [False], "both": [True, False]}[args.decode_gemv]
     dfuses = {"on": [True], "off": [False], "both": [True, False]}[args.decode_fusion]
-    modes = [(c, f if c else False, gv if c else False, df if c else False)
+    combos = {"on": [True], "off": [False], "both": [True, False]}[args.combo_kernels]
+    modes = [(c, f if c else False, gv if c else False, df if c else False, cb if c else False)
              for c in {"on": [True], "off": [False], "both": [True, False]}[args.compile]
-             for f in (fuses if c else [False]) for gv in (gemvs if c else [False]) for df in (dfuses if c else [False])]
-    for m, fuse, gv, df in modes:
+             for f in (fuses if c else [False]) for gv in (gemvs if c else [False]) for df in (dfuses if c else [False])
+             for cb in (combos if c else [False])]
+    for m, fuse, gv, df, cb in modes:
         mode = f"compile_{'on' if m else 'off'}" + (
-            f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}_dfuse_{'on' if df else 'off'}" if m else "")
-        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, df)
+            f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}_dfuse_{'on' if df else 'off'}"
+            + ("_combo" if cb else "") if m else "")
+        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, df, cb)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
@@ -282,12 +292,12 @@ def main() -> None:
 
 
     if len(report["engine"]) > 1:  # the short table: device time per step of each mode
-        print(f"\n{'mode':<46} {'case':<14} {'device us/step':>14} {'kernels':>8} {'GEMM us':>9} {'GEMM launches':>13} "
+        print(f"\n{'mode':<56} {'case':<14} {'device us/step':>14} {'kernels':>8} {'GEMM us':>9} {'GEMM launches':>13} "
               f"{'wall ms':>8} {'plain ms':>8}")
         for mode, cases in report["engine"].items():
             for name, e in cases.items():
                 if isinstance(e, dict) and "kernels" in e:
-                    print(f"{mode:<46} {name:<14} {e['kernels'][-1]['us_per_step']:14.1f} "
+                    print(f"{mode:<56} {name:<14} {e['kernels'][-1]['us_per_step']:14.1f} "
                           f"{e['kernels'][-1]['launches_per_step']:8.0f} {e['gemm']['us_per_step']:9.1f} "
                           f"{e['gemm']['launches_per_step']:13.0f} {e['wall_ms_p50_synced']:8.2f} {e['wall_ms_p50_plain']:8.2f}")
     if args.out:
