@@ -987,10 +987,11 @@ def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int
     return max(1, min(k_iters, -(-programs_per_sm * num_sms // num_tiles)))
 
 
-def default_config(M: int, N: int, K: int, group_size: int, device: torch.device) -> W4A16Config:
+def default_config(M: int, N: int, K: int, group_size: int, device: torch.device, bits: int = 4,
+                   dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
     """The launch configuration used when none is given, as rules on the shape: the fastest of the H200 sweeps
-    of issue 7 (group 128, bf16; M = 1: round 4, ``bench_w4a16.py --variants gemv``; M >= 2: round 1, re-timed
-    in round 3).
+    of issue 7 (group 128, bf16; M = 1: round 4, ``bench_w4a16.py --variants gemv``; M = 2-16 on CUDA: round 5,
+    ``--variants tc``; otherwise round 1, re-timed in round 3).
 
     A weight is *square* when neither side is twice the other (4096 x 4096), *wide* when
     ``N >= 2K`` (gate/up projections, 4096 x 14336) and *tall* when ``K >= 2N`` (down projection,
@@ -1004,9 +1005,14 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     1         GEMV 1x1024x64 ``biased_fma=15``, 8       GEMV 1x2048x64 ``biased_fma=15``, 8 warps,
               warps, 2 per SM: 6.9 us (bf16 12.4,       2 per SM: 13.5 us (30.8, 2.28x) /
               1.79x; round 3 without biased_fma 7.8)    13.7 us (31.3, 2.29x); round 3: 18.0 / 17.8
-    2 - 4     DOT 16x64x128, 4 per SM:                  DOT 16x128x128, 4 per SM: 33.2 (29.9, 0.90x) /
-              12.9 us at M = 4 (12.8, 0.99x)            30.1 (31.5, 1.05x)
-    5 - 16    DOT_SWAP 16x64x128, 4 per SM:             DOT 16x128x128, 4 per SM: 38.8 (30.3, 0.78x) /
+    2 - 16    TC_ASM 16x64x128 ``tc_perm``, 4 per SM,   the same: 22.2 (29.6, 1.34x) / 20.8 (31.1, 1.50x)
+              3 stages (round 5, ``--variants tc``):    at M = 4; 21.2 (30.0, 1.42x) / 20.7 (31.7,
+              9.6 us at M = 16 (bf16 13.1, 1.36x)       1.53x) at M = 16
+    2 - 4     (no TC: not 4-bit, fp32 x, a group that   DOT 16x128x128, 4 per SM: 33.2 (29.9, 0.90x) /
+              is not whole K steps, or not CUDA)        30.1 (31.5, 1.05x)
+              DOT 16x64x128, 4 per SM: 12.9 us at
+              M = 4 (12.8, 0.99x)
+    5 - 16    (no TC) DOT_SWAP 16x64x128, 4 per SM:     DOT 16x128x128, 4 per SM: 38.8 (30.3, 0.78x) /
               16.9 us at M = 16 (13.1, 0.78x)           35.6 (32.0, 0.90x)
     > 16      DEQUANT_MATMUL 128x128 tiles:             the same: 73.5 (31.1) / 77.4 (35.1) at M = 64,
               20.7 / 25.9 us at M = 64 / 256            86.0 (45.8) / 90.9 (48.9) at M = 256
@@ -1023,7 +1029,9 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     12 (shape, M) points; the exception, 14336 x 4096 at M = 64 (61.5 us vs DEQUANT_MATMUL's 77.7, still 0.57x
     of bf16), was one config of a 12-config sweep, not its default. It was removed with the round-1/2 FMA GEMV.
 
-    Args/Returns: the GEMM sizes (``x [M, K] @ W [K, N]``), the group size and the device -> a ``W4A16Config``.
+    Args/Returns: the GEMM sizes (``x [M, K] @ W [K, N]``), the group size, the device, the weight's bits and x's
+    dtype -> a ``W4A16Config``. ``TC_ASM`` is inline PTX: it is picked only on CUDA, for 4 bits, fp16/bf16 x and a
+    group that holds whole 128-row K steps (or per-channel).
     """
     sms = _num_sms(device)
     wide, tall = N >= 2 * K, K >= 2 * N
@@ -1031,6 +1039,11 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     if M == 1 and group_size % 8 == 0:  # a group of whole int32 words for 4 and 8 bits (the GEMV's layout)
         bn = 2048 if wide or tall else 1024
         return W4A16Config(1, bn, 64, split_k_for(-(-N // bn), -(-K // 64), sms, 2), 8, 1, W4A16Algo.GEMV, biased_fma=15)
+    tc = (device.type == "cuda" and bits == 4 and dtype in (torch.float16, torch.bfloat16)
+          and (group_size % 128 == 0 or group_size == K))
+    if M <= 16 and tc:
+        split = split_k_for(-(-N // 64), k_iters, sms, 4)
+        return W4A16Config(16, 64, 128, split, 4, 3, W4A16Algo.TC_ASM, tc_perm=True)
     if M <= 16:
         bn = 128 if wide or tall else 64
         algo = W4A16Algo.DOT_SWAP if M > 4 and not (wide or tall) else W4A16Algo.DOT
@@ -1093,7 +1106,7 @@ def w4a16_matmul(
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    cfg = config or default_config(M, N, K, group_size, x.device)
+    cfg = config or default_config(M, N, K, group_size, x.device, bits, x.dtype)
     if cfg.block_k % pack:
         raise ValueError(f"config.block_k={cfg.block_k} must be a multiple of {pack}")
     if cfg.algo == W4A16Algo.GEMV and cfg.block_m != 1:

@@ -231,6 +231,21 @@ def test_default_config_rules():
     assert str(k.default_config(1, 4096, 4096, 4, cpu)) == "dot 16x64x128 split9 w4 s3"
 
 
+def test_default_config_takes_tc_asm_on_cuda(monkeypatch):
+    # round 5 (H200): TC_ASM 16x64x128 tc_perm for M = 2..16 on CUDA, 4-bit, half x, whole-step groups; else DOT
+    monkeypatch.setattr(k, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert str(k.default_config(4, 4096, 4096, 128, cuda)) == "tc_asm 16x64x128 split9 w4 s3 perm"
+    assert str(k.default_config(16, 14336, 4096, 128, cuda)) == "tc_asm 16x64x128 split3 w4 s3 perm"
+    assert str(k.default_config(16, 4096, 14336, 128, cuda)) == "tc_asm 16x64x128 split9 w4 s3 perm"
+    assert str(k.default_config(8, 4096, 4104, 4104, cuda)) == "tc_asm 16x64x128 split9 w4 s3 perm"  # per-channel
+    assert k.default_config(1, 4096, 4096, 128, cuda).algo is A.GEMV
+    for kw in (dict(bits=8), dict(dtype=torch.float32)):
+        assert k.default_config(4, 4096, 4096, 128, cuda, **kw).algo is A.DOT
+    assert k.default_config(4, 4096, 4096, 64, cuda).algo is A.DOT  # a 128-row K step would span two groups
+    assert k.default_config(17, 4096, 4096, 128, cuda).algo is A.DEQUANT_MATMUL
+
+
 def test_custom_op_is_one_node_under_torch_compile():
     # Dynamo must not trace into the launch (validation, workspace): fullgraph=True fails on a graph break,
     # aot_eager runs the fake implementation for the output's shape and dtype
