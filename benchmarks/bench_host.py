@@ -131,14 +131,17 @@ def measure(workload: str, args) -> dict:
     engine_config = EngineConfig(num_gpu_blocks=args.num_requests * (-(-(hi + args.output_len) // 16)) + 16,
                                  max_num_seqs=args.num_requests, max_model_len=hi + args.output_len + 1,
                                  attention_backend="torch")
+    if hasattr(engine_config, "async_scheduling"):  # the synchronous loop's phases (a --baseline may predate it)
+        engine_config.async_scheduling = False
     engine = LLMEngine(model, engine_config=engine_config)
     totals = dict.fromkeys(PHASES + ("step",), 0.0)
     _wrap(engine.scheduler, "schedule", totals, "schedule")
     _wrap(engine.runner, "prepare", totals, "prepare")
     _wrap(engine.runner, "_forward", totals, "forward")
     _wrap(engine.runner, "execute", totals, "execute")
-    # the engine calls sample_tokens since the host-time work (before: sample)
-    _wrap(engine.sampler, "sample_tokens" if hasattr(engine.sampler, "sample_tokens") else "sample", totals, "sample")
+    # the engine calls launch + collect since async scheduling (before: sample_tokens, before that: sample)
+    for name in ("launch", "collect") if hasattr(engine.sampler, "launch") else ("sample_tokens",):
+        _wrap(engine.sampler, name, totals, "sample")
     _wrap(engine.scheduler, "update_from_output", totals, "update")
 
     last_logits = {}

@@ -46,6 +46,13 @@ class EngineConfig:
             concatenated weight (``paged_transformers.fusion``; memory neutral, undone on close). None
             (default): on exactly when ``compile_layers`` is; True without compiled layers is a ValueError
             (eagerly, fusion would compute each fused product once per projection).
+        async_scheduling: schedule and launch a decode step before the previous step's sampled tokens
+            reach the host, its input ids copied on the device from that step's sampled tokens; the host
+            then reads and processes the previous step's tokens while the new one runs (vLLM V1's
+            ``async_scheduling``, SGLang's overlap scheduler). Steps with admissions, n > 1 forks, a
+            possible length finish, host-side sampling work (penalties, logits processors, min_tokens)
+            or too few free blocks run synchronously. Outputs are the same as with False, the
+            synchronous loop (``LLMEngine.step``).
 
     Raises:
         ValueError: a field out of range, naming the field and the value.
@@ -74,6 +81,7 @@ class EngineConfig:
     enforce_eager: bool = False
     compile_layers: bool | None = None
     fuse_projections: bool | None = None
+    async_scheduling: bool = True
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -97,7 +105,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.compile_layers is not None and not isinstance(self.compile_layers, bool):

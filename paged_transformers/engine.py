@@ -2,7 +2,9 @@
 
 One ``step()`` reads top to bottom: scheduler plans -> block manager grants slots -> runner packs
 the batch and runs the model -> sampler -> scheduler appends tokens, checks stops, frees blocks ->
-outputs.
+outputs. With async scheduling (``EngineConfig.async_scheduling``, on by default) a decode step is
+scheduled and launched before the previous step's tokens are read back, so that this host work
+overlaps the device's (``LLMEngine.step``; vLLM V1's async scheduling, SGLang's overlap scheduler).
 """
 
 import copy
@@ -20,9 +22,9 @@ from .generation_config import PerRequest, instantiate_per_request
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .prefix_cache import CacheStats
 from .runner import ModelRunner
-from .sampling import Sampler
+from .sampling import SampleLaunch, Sampler, _to_device
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .sizing import model_compute_dtype, model_kv_shape, num_kv_blocks
 
@@ -35,6 +37,17 @@ class _Request:
     sampling_params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose sampled tokens the host has not applied yet (async scheduling: at most one
+    is left running between ``step()`` calls)."""
+
+    plan: SchedulerOutput
+    sample_seqs: list[Sequence]  # the sampler's rows: sampled sequences, then their pending forks
+    launch: SampleLaunch | None  # None when no row is sampled (prompt chunks only)
+    advanced: bool = False  # Scheduler.advance applied: its sequences hold placeholders until collected
 
 
 class LLMEngine:
@@ -139,6 +152,8 @@ class LLMEngine:
             raise
         self.peak_num_used_blocks = 0
         self.device = device
+        self._in_flight: _InFlight | None = None  # async scheduling: the step left running on the device
+        self.num_pipelined_steps = 0  # steps launched before the previous step's tokens were read
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -148,6 +163,9 @@ class LLMEngine:
         self.closed = True
         for request_id in list(self.requests):
             self.abort_request(request_id)
+        in_flight, self._in_flight = getattr(self, "_in_flight", None), None
+        if in_flight is not None and in_flight.launch is not None and in_flight.launch.event is not None:
+            in_flight.launch.event.synchronize()  # drain: the step ends before its cache and graphs go
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.uncompile()
@@ -305,27 +323,59 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._drop_dead_in_flight()
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is unfinished. A step left in flight (async scheduling) always has one: it
+        is dropped as soon as all of its sequences are finished (its tokens would be discarded)."""
         return bool(self.requests)
+
+    def _drop_dead_in_flight(self) -> None:
+        """Forget the in-flight step when every sequence in it finished (stop at the step before, or
+        abort): nothing would be applied. The device finishes it in stream order before later steps."""
+        in_flight = self._in_flight
+        if in_flight is not None and all(seq.is_finished for seq in in_flight.plan.seqs):
+            self._in_flight = None
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns the outputs of the requests that got a token or finished in it;
         a finished request is returned once, then forgotten by the engine.
 
+        With ``EngineConfig.async_scheduling`` a decode step may be left running on the device when this
+        returns (``_pipeline``): the call launches step N+1 before reading step N's tokens, then returns
+        N's outputs; the next call collects N+1. Otherwise (and whenever pipelining is not safe, see
+        ``_can_pipeline``) it is the synchronous loop: schedule, run, sample, read back, update::
+
+            sync:   host [sched N|launch N]......wait......[tokens N, stops, outputs]
+                    gpu                  [  step N  ]
+            async:  host [sched N+1 | launch N+1][wait N][tokens N, stops, outputs]
+                    gpu  [ step N ][       step N+1        ]
+
         Raises:
             RuntimeError: the engine is closed, or the model's attention was switched away from ours.
         """
         self._check_usable()
-        plan = self.scheduler.schedule()
-        if not plan.seqs:
-            # The pool holds a max_model_len sequence, so a step with nothing running always admits one.
-            assert not self.scheduler.has_unfinished(), (
-                f"no progress: nothing scheduled with {len(self.scheduler.waiting)} waiting and "
-                f"{len(self.scheduler.running)} running sequences ({self.cache.block_manager.num_free_blocks} free blocks)"
-            )
-            return []
+        current, self._in_flight = self._in_flight, None
+        if current is None:
+            plan = self.scheduler.schedule()
+            if not plan.seqs:
+                # The pool holds a max_model_len sequence, so a step with nothing running always admits one.
+                assert not self.scheduler.has_unfinished(), (
+                    f"no progress: nothing scheduled with {len(self.scheduler.waiting)} waiting and "
+                    f"{len(self.scheduler.running)} running sequences ({self.cache.block_manager.num_free_blocks} free blocks)"
+                )
+                return []
+            current = self._launch(plan)
+        if self.config.async_scheduling and self._can_pipeline(current):
+            self._in_flight = self._pipeline(current)
+        outputs = self._collect(current)
+        self._drop_dead_in_flight()
+        return outputs
+
+    def _launch(self, plan: SchedulerOutput, input_ids: torch.Tensor | None = None) -> "_InFlight":
+        """Run ``plan`` on the model and enqueue its sampling, without waiting for the device (unless a
+        row's sampling needs host work). ``input_ids``: a decode step's device input ids (``_pipeline``)."""
         now = time.perf_counter()
         for seq in plan.seqs:
             # only a sequence still without outputs can be its request's first one scheduled
@@ -334,35 +384,103 @@ class LLMEngine:
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
         self.peak_num_used_blocks = max(self.peak_num_used_blocks, self.cache.block_manager.num_used_blocks)
 
-        logits = self.runner.execute(plan)
+        logits = self.runner.execute(plan, input_ids)
         sample_seqs = [seq for seq, samples in zip(plan.seqs, plan.sample_mask) if samples]
         logits, sample_seqs = _with_pending_forks(logits, sample_seqs)
+        launch = self.sampler.launch(logits, sample_seqs) if sample_seqs else None
+        return _InFlight(plan, sample_seqs, launch)
+
+    def _can_pipeline(self, current: "_InFlight") -> bool:
+        """Whether the next step can be scheduled and launched before ``current``'s tokens are read: every
+        unfinished sequence of ``current`` samples in it and is all that runs, nothing waits to be
+        admitted, none has n > 1 forks pending, none can finish by length with this token, none needs
+        host work to sample its next token (``Sampler.needs_host_work``), and the pool has a free block
+        for each that needs one (no preemption, no copy-on-write). Host state only: no device read."""
+        plan = current.plan
+        scheduler = self.scheduler
+        if current.launch is None or scheduler.waiting or not all(plan.sample_mask):
+            return False
+        live = [seq for seq in plan.seqs if not seq.status.is_finished]
+        # the running sequences are exactly the step's live ones (none left out by the token budget)
+        if not live or len(live) != len(scheduler.running) or len(live) > self.config.max_num_batched_tokens:
+            return False
+        bm = self.cache.block_manager
+        block_size, tables, ref_cnt, block_hash = bm.block_size, bm.block_tables, bm.ref_cnt, bm.block_hash
+        max_model_len, needs_host_work = self.max_model_len, self.sampler.needs_host_work
+        num_new_blocks = 0
+        for seq in live:
+            num_tokens = len(seq.token_ids)  # the next step computes position num_tokens (this step's token)
+            num_outputs = num_tokens + 1 - seq.num_prompt_tokens
+            if (seq.pending_forks or num_outputs >= seq.sampling_params.max_tokens or num_tokens + 1 >= max_model_len
+                    or needs_host_work(seq, num_outputs)):
+                return False
+            if num_tokens % block_size == 0:
+                num_new_blocks += 1
+            else:
+                block_id = tables[seq.seq_id][num_tokens // block_size]
+                if ref_cnt[block_id] > 1 or block_hash[block_id] is not None:
+                    return False  # the write would need a copy-on-write
+        return num_new_blocks <= bm.num_free_blocks
+
+    def _pipeline(self, current: "_InFlight") -> "_InFlight":
+        """Schedule and launch the step after ``current`` before its tokens are on the host: each sequence
+        advances and holds a placeholder (``Scheduler.advance``), ``schedule()`` plans its decode token,
+        and the step's input ids are gathered on the device from ``current``'s sampled tokens."""
+        self.scheduler.advance(current.plan)
+        plan = self.scheduler.schedule()
+        assert not plan.preempted and not plan.block_copies and plan.total_num_scheduled_tokens == len(plan.seqs), (
+            f"pipelined step: {len(plan.preempted)} preempted, {len(plan.block_copies)} copies, "
+            f"{plan.total_num_scheduled_tokens} tokens for {len(plan.seqs)} sequences"
+        )
+        row_of = {seq.seq_id: i for i, seq in enumerate(current.sample_seqs)}
+        rows = [row_of[seq.seq_id] for seq in plan.seqs]
+        token_ids = current.launch.token_ids
+        if rows == list(range(len(rows))):
+            input_ids = token_ids[: len(rows)]
+        else:  # sequences of the current step were aborted meanwhile
+            input_ids = token_ids[_to_device(rows, torch.int64, token_ids.device)]
+        current.advanced = True
+        self.num_pipelined_steps += 1
+        return self._launch(plan, input_ids)
+
+    def _collect(self, current: "_InFlight") -> list[RequestOutput]:
+        """Read ``current``'s sampled tokens (waiting for them only), apply them (append or replace the
+        placeholders, stops, frees) and return the outputs of its requests that are still known."""
+        plan, sample_seqs = current.plan, current.sample_seqs
         sampled: dict[int, int] = {}
-        if sample_seqs:
-            result = self.sampler.sample_tokens(logits, sample_seqs)
+        if current.launch is not None:
+            result = self.sampler.collect(current.launch)
             for i in sorted(result.errors):  # row order, as the sequences were sampled
                 seq = sample_seqs[i]
-                seq.error = result.errors[i]
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                if not seq.is_finished:
+                    seq.error = result.errors[i]
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             for i, (logprob, top_logprobs) in result.logprobs.items():
                 seq = sample_seqs[i]
-                seq.logprobs.append(top_logprobs)
-                seq.cumulative_logprob += logprob
+                if not seq.is_finished:  # (a pipelined step's row of a sequence finished before it is dropped)
+                    seq.logprobs.append(top_logprobs)
+                    seq.cumulative_logprob += logprob
             sampled = {seq.seq_id: token for seq, token in zip(sample_seqs, result.token_ids) if token is not None}
-        self.scheduler.update_from_output(plan, sampled)
+        if current.advanced:
+            self.scheduler.replace_placeholders(plan, sampled)
+        else:
+            self.scheduler.update_from_output(plan, sampled)
 
         now = time.perf_counter()
         touched = dict.fromkeys(seq.request_id for seq in sample_seqs)
         outputs = []
+        requests = self.requests
         for request_id in touched:
-            request = self.requests[request_id]
+            request = requests.get(request_id)
+            if request is None:  # aborted while the step ran, or finished by the step before
+                continue
             metrics = request.metrics
             if not metrics.first_token_time:
                 metrics.first_token_time = now
             output = self._make_output(request)
             if output.finished:
                 metrics.finished_time = now
-                del self.requests[request_id]
+                del requests[request_id]
             outputs.append(output)
         return outputs
 

@@ -142,6 +142,7 @@ class ModelRunner:
         self.max_num_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_num_blocks_per_seq = -(-max_model_len // cache.block_size)
         self._alloc_buffers()
+        self._staged: torch.cuda.Event | None = None  # recorded after prepare's host-to-device copies
 
         from .kernels import paged_attention_ref
 
@@ -192,6 +193,11 @@ class ModelRunner:
         Returns:
             ``(num_tokens, num_sampled, max_query_len, max_seq_len)`` of the (padded) step.
         """
+        # NOTE(async scheduling): the previous step's non-blocking copies read the pinned staging buffers
+        # until they have run; with a step still in flight, wait for them before writing the buffers again.
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
         seqs = out.seqs
         S = len(seqs)
         counts = np.fromiter(out.num_scheduled_tokens, dtype=np.int64, count=S)
@@ -254,6 +260,9 @@ class ModelRunner:
         self._copy(self.seq_lens_h, self.seq_lens, seqs_n)
         self._copy(self.query_start_loc_h, self.query_start_loc, seqs_n + 1)
         self.block_tables[:S, :width].copy_(self.block_tables_h[: S * width].view(S, width), non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         return rows, num_sampled, max_query_len, max_seq_len
 
     def _forward(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int):
@@ -377,8 +386,19 @@ class ModelRunner:
 
     # -- a step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step. Returns float32 logits ``[num_sampled, vocab_size]``, rows in ``out.seqs`` order."""
+    def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step. Returns float32 logits ``[num_sampled, vocab_size]``, rows in ``out.seqs`` order.
+
+        Args:
+            out: the step's plan.
+            input_ids: for a decode step (one token per sequence), its input ids as a device tensor
+                ``[len(out.seqs)]`` int64, e.g. gathered from the previous step's sampled tokens that the
+                host has not read yet (async scheduling). Copied over the host-staged ids after
+                ``prepare``, in stream order; the sequences' last token ids are then not read.
+
+        Raises:
+            ValueError: ``input_ids`` given for a step that is not decode-only, or of the wrong shape.
+        """
         host_start = time.perf_counter()
         start = end = None
         if self.record_steps and self.device.type == "cuda":
@@ -387,12 +407,19 @@ class ModelRunner:
         self.cache.copy_blocks(out.block_copies)
         bucket = self._bucket(out)
         S = len(out.seqs)
+        if input_ids is not None and (tuple(input_ids.shape) != (S,) or out.num_scheduled_tokens.count(1) != S):
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} for a step of {S} sequences and "
+                             f"{sum(out.num_scheduled_tokens)} tokens: only decode steps take device input ids, one per sequence")
         if bucket is not None:
             self.prepare(out, pad_to=bucket)
+            if input_ids is not None:
+                self.input_ids[:S].copy_(input_ids)
             self.graphs[bucket].replay()
             logits = self.graph_logits[bucket][0, :S].float()
         else:
             T, num_sampled, max_query_len, max_seq_len = self.prepare(out)
+            if input_ids is not None:
+                self.input_ids[:S].copy_(input_ids)
             logits = self._forward(T, S, num_sampled, max_query_len, max_seq_len)[0].float()
         if start is not None:
             end.record()

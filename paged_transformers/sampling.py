@@ -1,7 +1,9 @@
 """The sampler: per-request penalties and logits processors, then greedy or random sampling.
 
 Order (vLLM's): raw logits -> logprobs (if asked) -> penalties -> logits processors -> min_tokens
-mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample (an exponential race,
+``Sampler._draw``). ``Sampler.launch`` enqueues a step's sampling on the device and ``Sampler.collect``
+reads it back, so that the engine can launch the next step in between (async scheduling).
 """
 
 from dataclasses import dataclass
@@ -28,6 +30,23 @@ class SamplerOutput:
     token_ids: list[int | None]  # the sampled token of each row; None for a failed row
     errors: dict[int, BaseException]  # row -> the exception that failed it
     logprobs: dict[int, tuple[float, dict[int, float]]]  # row -> (logprob of the token, {token_id: logprob})
+
+
+@dataclass(slots=True)
+class SampleLaunch:
+    """A step's sampling enqueued on the device (``Sampler.launch``); ``Sampler.collect`` reads it back.
+
+    ``host`` holds CPU tensors being filled by non-blocking copies (pinned memory on CUDA) until ``event``
+    has passed: ``[token_ids]``, then, when rows want logprobs, ``token_logprobs [num_want]`` and, when
+    one of them wants a top-k, ``top_ids, top_values [num_want, max_k]``.
+    """
+
+    token_ids: torch.Tensor  # [num_rows] int64 on the device: the next step's input ids can come from here
+    host: list[torch.Tensor]
+    event: "torch.cuda.Event | None"  # recorded after the copies; None on CPU (the copies are done)
+    errors: dict[int, BaseException]  # row -> the exception that failed it (host-processed rows only)
+    want_logprobs: list[int]  # rows that asked for logprobs, ascending
+    ks: list[int]  # their SamplingParams.logprobs (top-k sizes), in the same order
 
 
 class Sampler:
@@ -63,10 +82,30 @@ class Sampler:
 
     def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> "SamplerOutput":
         """``sample`` without a result object per row: one token list for the batch (``SamplerOutput``).
+        The same as ``collect(launch(logits, seqs))``."""
+        return self.collect(self.launch(logits, seqs))
 
-        NOTE: this runs once per step for every running sequence, and on a GPU everything after the
-        ``tolist()`` (the one sync of the step) leaves the device idle, so the per-row Python work is
-        kept to list comprehensions over attributes; rows are only touched when they need it.
+    @staticmethod
+    def needs_host_work(seq: Sequence, num_output_tokens: int) -> bool:
+        """Whether ``launch`` processes this sequence's row on the host (penalties, logits processors, an
+        active min_tokens mask), reading its token ids and synchronizing with the device, when it has
+        ``num_output_tokens`` outputs. Rows without it are sampled with device work only (no sync)."""
+        p = seq.sampling_params
+        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors
+                    or num_output_tokens < p.min_tokens)
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> "SampleLaunch":
+        """The device part of ``sample_tokens``: enqueue the sampling of ``logits [len(seqs), >= vocab_size]``
+        (float32, rows in ``seqs`` order) and the copies of its results to the host; ``collect`` reads them.
+
+        Rows that ``needs_host_work`` are processed here (reading the device, so the call then waits for
+        the logits); the other rows enqueue device work only: greedy argmax, and temperature / top-k /
+        top-p / min-p with an exponential-race draw, so a step of such rows is launched without a host
+        sync (``LLMEngine.step`` launches the next step before collecting this one).
+
+        NOTE: this runs once per step for every running sequence, and on a GPU the host time between
+        steps leaves the device idle, so the per-row Python work is kept to list comprehensions over
+        attributes; rows are only touched when they need it.
         """
         logits = logits[:, : self.vocab_size]
         params = [seq.sampling_params for seq in seqs]
@@ -76,9 +115,7 @@ class Sampler:
         # NOTE: only rows with penalties, processors or an active min_tokens mask are touched (the rows that
         # _process_row can change): a per-row copy costs a kernel launch, which at a few hundred rows per
         # step is milliseconds of host time.
-        rows = [i for i, (seq, p) in enumerate(zip(seqs, params)) if (
-            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors
-            or len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens)]
+        rows = [i for i, seq in enumerate(seqs) if self.needs_host_work(seq, len(seq.token_ids) - seq.num_prompt_tokens)]
         if rows:
             logits = logits.clone()
         for i in rows:
@@ -101,28 +138,53 @@ class Sampler:
 
         # decided on the host: no device round trip when all greedy; only the sampled rows are drawn
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-        token_ids = logits.argmax(dim=-1)
-        if sample_rows:
-            index = torch.tensor(sample_rows, device=logits.device)
-            probs = self._probs(logits[index], [params[i] for i in sample_rows])
-            token_ids[index] = self._draw(probs, [seqs[i] for i in sample_rows])
+        device = logits.device
+        if len(sample_rows) == len(params):
+            token_ids = self._draw(self._probs(logits, params), seqs)
+        else:
+            token_ids = logits.argmax(dim=-1)
+            if sample_rows:
+                index = _to_device(sample_rows, torch.int64, device)
+                probs = self._probs(logits[index], [params[i] for i in sample_rows])
+                token_ids[index] = self._draw(probs, [seqs[i] for i in sample_rows])
 
-        token_list = token_ids.tolist()
+        host = [_to_host(token_ids)]
+        ks = [params[i].logprobs for i in want_logprobs]
+        if want_logprobs:
+            # the logprob of each sampled token and the top-k, batched over the rows that want them
+            index = _to_device(want_logprobs, torch.int64, device)
+            row_logprobs = raw_logprobs[index]  # [num_want, vocab_size]
+            host.append(_to_host(row_logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)))
+            if max(ks):
+                top = torch.topk(row_logprobs, max(ks), dim=-1)
+                host += [_to_host(top.indices), _to_host(top.values)]
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return SampleLaunch(token_ids, host, event, errors, want_logprobs, ks)
+
+    def collect(self, launch: "SampleLaunch") -> "SamplerOutput":
+        """The host part of ``sample_tokens``: wait for ``launch``'s copies (its event only: work enqueued
+        after it, such as the next step, is not waited for) and build the ``SamplerOutput``."""
+        if launch.event is not None:
+            launch.event.synchronize()
+        token_list = launch.host[0].tolist()
+        errors = launch.errors
         for i in errors:
             token_list[i] = None
         logprobs = {}
-        for i in want_logprobs:
-            if i in errors:
-                continue
-            tok = token_list[i]
-            row = raw_logprobs[i]
-            logprob = float(row[tok])
-            k = params[i].logprobs
-            top = torch.topk(row, k) if k else None
-            top_logprobs = {tok: logprob}
-            if top is not None:
-                top_logprobs.update(zip(top.indices.tolist(), top.values.tolist()))
-            logprobs[i] = (logprob, top_logprobs)
+        if launch.want_logprobs:
+            token_logprobs = launch.host[1].tolist()
+            top_ids, top_values = (launch.host[2].tolist(), launch.host[3].tolist()) if len(launch.host) > 2 else ((), ())
+            for j, (i, k) in enumerate(zip(launch.want_logprobs, launch.ks)):
+                if i in errors:
+                    continue
+                logprob = token_logprobs[j]
+                top_logprobs = {token_list[i]: logprob}
+                if k:
+                    top_logprobs.update(zip(top_ids[j][:k], top_values[j][:k]))
+                logprobs[i] = (logprob, top_logprobs)
         return SamplerOutput(token_list, errors, logprobs)
 
     def _process_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -154,40 +216,67 @@ class Sampler:
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-        """Temperature, top-k, top-p and min-p over ``logits [num_seqs, vocab_size]`` -> probabilities."""
+        """Temperature, top-k, top-p and min-p over ``logits [num_seqs, vocab_size]`` -> probabilities.
+        Which filters run is decided from ``params`` on the host (no device read)."""
         device = logits.device
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        logits = logits / temperature[:, None]
         vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).clamp(max=vocab)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        temperature = [1.0 if p.greedy else p.temperature for p in params]
+        if any(t != 1.0 for t in temperature):
+            logits = logits / _to_device(temperature, torch.float32, device)[:, None]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            top_k_t = _to_device(top_k, torch.int64, device)
+            top_p_t = _to_device(top_p, torch.float32, device)
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=device)[None, :]
-            drop = ranks >= top_k[:, None]
+            drop = ranks >= top_k_t[:, None]
             sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # keep the smallest prefix whose mass reaches top_p (the first token always stays)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= top_p[:, None]
+            drop |= mass_before >= top_p_t[:, None]
             drop[:, 0] = False
             logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(dim=-1)
-        if bool((min_p > 0).any()):
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            min_p_t = _to_device(min_p, torch.float32, device)
+            probs = probs.masked_fill(probs < min_p_t[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
 
     @staticmethod
     def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One draw per row; seeded sequences use their own generator so the batch cannot change them."""
-        out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
-        unseeded = [i for i, seq in enumerate(seqs) if seq.generator is None]
-        if unseeded:
-            out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+        """One draw per row of ``probs [num_seqs, vocab_size]`` -> token ids ``[num_seqs]`` int64.
+
+        Exponential race: with ``E_i ~ Exp(1)`` independent, ``argmax_i p_i / E_i`` is token ``i`` with
+        probability ``p_i`` (the Gumbel-max trick in another form; vLLM's sampler uses it because
+        ``torch.multinomial`` checks its input with a host read). Seeded sequences draw their row's
+        noise from their own generator, so the batch cannot change their tokens; the others share the
+        global stream.
+        """
+        noise = torch.empty_like(probs, dtype=torch.float32).exponential_()
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
-                out[i] = torch.multinomial(probs[i], 1, generator=seq.generator)[0]
-        return out
+                noise[i].exponential_(generator=seq.generator)
+        # an exact 0 (possible in float32) would make 0 / 0 = NaN the argmax on a zero-probability token
+        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a host sync: staged in pinned memory and copied
+    non-blocking on CUDA (``torch.tensor(values, device=...)`` waits for the stream)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Start copying ``tensor`` to the host (into pinned memory on CUDA, non-blocking); the copy is done
+    once an event recorded after it has passed. On CPU: the tensor itself."""
+    if tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu", non_blocking=True)
 
 
 def _check_scores(scores, vocab_size: int, proc) -> None:

@@ -27,7 +27,7 @@ from typing import Callable
 from .block_manager import BlockCopy, BlockManager
 from .config import EngineConfig
 from .prefix_cache import CacheStats, extend_block_hashes
-from .sequence import Sequence, SequenceStatus
+from .sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +213,54 @@ class Scheduler:
                 finished += self._start_forks(seq, forks, sampled)
             token_id = sampled.get(seq.seq_id)
             if token_id is not None and self._append_token(seq, token_id):
+                finished.append(seq)
+        return finished
+
+    # -- async scheduling: update_from_output in two halves ------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """The first half of ``update_from_output`` for a step whose sampled tokens are still on the device
+        (``LLMEngine.step`` pipelines the next step): advance ``num_computed_tokens``, cache full blocks,
+        and append ``PLACEHOLDER_TOKEN_ID`` to each sampled sequence, so that ``schedule()`` plans its
+        next decode token. ``replace_placeholders`` applies the tokens once they are on the host.
+
+        Every unfinished sequence of ``out`` must be sampled in it and have no pending forks (the engine
+        pipelines only such steps). Blocks are hashed before the placeholder is appended, over tokens that
+        are all real (``num_computed_tokens == num_tokens``).
+        """
+        caching = self.config.enable_prefix_caching
+        bm = self.block_manager
+        block_size = bm.block_size
+        num_hashed = bm.num_hashed_blocks
+        for seq, num_new, samples in zip(out.seqs, out.num_scheduled_tokens, out.sample_mask):
+            if seq.status.is_finished:  # aborted while the step ran
+                continue
+            assert samples and not seq.pending_forks and seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID, seq
+            seq.num_computed_tokens += num_new
+            assert seq.num_computed_tokens == seq.num_tokens, (seq.num_computed_tokens, seq.num_tokens)
+            if caching and seq.num_computed_tokens // block_size > num_hashed.get(seq.seq_id, 0):
+                bm.cache_full_blocks(seq.seq_id, extend_block_hashes(seq.block_hashes, seq.token_ids, block_size),
+                                     seq.num_computed_tokens)
+            seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+
+    def replace_placeholders(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """The second half of ``update_from_output`` after ``advance(out)``: put each sequence's sampled
+        token in place of its placeholder and check the stops.
+
+        Args:
+            out: the step's plan, given to ``advance`` before.
+            sampled: seq_id -> the token sampled for it (every unfinished sequence of ``out``).
+
+        Returns:
+            The sequences that finished; their blocks are already freed (a step still running on the
+            device may write into them: stream order puts that write before any later step's use).
+        """
+        finished = []
+        for seq in out.seqs:
+            if seq.status.is_finished:  # aborted while its step ran, or finished by an earlier step
+                continue
+            assert seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID, seq
+            seq.token_ids.pop()
+            if self._append_token(seq, sampled[seq.seq_id]):
                 finished.append(seq)
         return finished
 

@@ -37,6 +37,12 @@ _FINISH_REASONS = {
 
 _seq_ids = itertools.count()
 
+# NOTE(async scheduling): the token a sequence holds at its end while the step that samples it is still
+# on the device (engine.step pipelines the next step before reading it back). It lives only inside one
+# ``LLMEngine.step()`` call: replaced by the sampled token before anything hashes, detokenizes or
+# returns the sequence's tokens. Negative, so that an embedding lookup of it fails loudly.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class Sequence:
     """One token sequence (a request has ``n`` of them).
