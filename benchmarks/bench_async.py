@@ -18,14 +18,16 @@ Llama-3-8B shape, random bf16 weights, the engine's defaults (compiled layers, C
    ``step()`` call (no extra syncs; p50 and mean, ms), the device time of each step's forward from the
    runner's CUDA events (``record_steps``: metadata copies to logits, p50 ms), and the device-side period
    between consecutive steps' start events (p50 ms: equals the wall per step when the host keeps up; the
-   part over the device time is the GPU idling, or sampling). A short table is printed last; ``--out``
-   gets the JSON.
+   part over the device time is the GPU idling, or sampling). After each async phase, 4 more calls run
+   under ``torch.cuda.set_sync_debug_mode("warn")``: the hidden host syncs per step (should be 0; the
+   call sites are listed). A short table is printed last; ``--out`` gets the JSON.
 """
 
 import argparse
 import json
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -78,6 +80,25 @@ def check(engine, vocab: int) -> dict:
     return {"requests": len(requests), "pipelined_steps": pipelined, "tokens_equal": True}
 
 
+def host_syncs(engine, num_steps: int) -> dict:
+    """Synchronizing CUDA calls (stream/device syncs, blocking copies, ``.item()``) in ``num_steps``
+    ``step()`` calls, by ``torch.cuda.set_sync_debug_mode("warn")``; event waits (the engine's one wait
+    per step for the sampled tokens, the runner's staged copies) are not counted. Returns the count and
+    the distinct Python call sites."""
+    if not torch.cuda.is_available():
+        return {"count": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(num_steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    return {"count": sum("synchroniz" in str(w.message) for w in caught), "steps": num_steps, "sites": sites[:10]}
+
+
 def time_batch(engine, vocab: int, batch: int, context: int, steps: int, phases: list[bool]) -> dict:
     from paged_transformers.sampling_params import SamplingParams
 
@@ -124,6 +145,7 @@ def time_batch(engine, vocab: int, batch: int, context: int, steps: int, phases:
             "async_scheduling": mode, "pipelined_steps": engine.num_pipelined_steps - before,
             "wall_ms_p50": _p50(walls) * 1e3, "wall_ms_mean": total / steps * 1e3,
             "device_ms_p50": _p50(device) * 1e3, "period_ms_p50": _p50(period) * 1e3, "step_kinds": kinds,
+            "host_syncs": host_syncs(engine, 4) if mode else None,
         })
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
@@ -172,12 +194,13 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(f"\n{args.model} on {result['device']}, context {args.context}, {args.steps} step() calls per phase")
-    print(f"{'batch':>5} {'async':>5} {'pipelined':>9} {'wall p50':>9} {'wall mean':>9} {'device p50':>10} {'period p50':>10}")
+    print(f"{'batch':>5} {'async':>5} {'pipelined':>9} {'wall p50':>9} {'wall mean':>9} {'device p50':>10} "
+          f"{'period p50':>10} {'syncs':>5}")
     for run in result["runs"]:
         for ph in run["phases"]:
             print(f"{run['batch']:>5} {str(ph['async_scheduling']):>5} {ph['pipelined_steps']:>9} "
                   f"{ph['wall_ms_p50']:>9.3f} {ph['wall_ms_mean']:>9.3f} {ph['device_ms_p50']:>10.3f} "
-                  f"{ph['period_ms_p50']:>10.3f}")
+                  f"{ph['period_ms_p50']:>10.3f} {str((ph['host_syncs'] or {}).get('count', '-')):>5}")
 
 
 if __name__ == "__main__":
