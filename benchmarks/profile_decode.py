@@ -19,10 +19,11 @@ Usage (GPU)::
    E.g. ``python benchmarks/profile_decode.py --compile on --fuse both --out $OUT/fusion.json`` (~2 min).
    ``--decode-gemv`` picks the batch-1 projections of the compiled layers: our Triton GEMV (``on``, the
    engine's default, ``paged_transformers.decode_linear``), cuBLAS (``off``) or ``both``.
-   ``--decode-fusion`` picks whether the batch-1 graphs fold RMSNorm, residual adds and SiLU * up into the GEMVs
-   (``decode_linear.FUSE_ENABLED``, issue #4): ``on`` (the default), ``off`` or ``both`` (A/B in one process; the
-   short table then gives device time, kernels and wall time per step of batch 1, batch 256 and prefill 8x1024
-   each way). E.g. ``python benchmarks/profile_decode.py --compile on --decode-fusion both --out $OUT/f.json``.
+   ``--decode-fusion`` picks what the batch-1 graphs fold into the GEMVs (issue #4; ``decode_linear.FUSE_ENABLED``
+   and ``FUSE_NORM``): ``all`` (the add + RMSNorm prologue, the gated SiLU * up and residual epilogues), ``epilogues``
+   or ``off``; several values profile one engine each in one process (the short table then gives device time,
+   kernels and wall time per step of batch 1, batch 256 and prefill 8x1024 each way). E.g.
+   ``python benchmarks/profile_decode.py --compile on --decode-fusion off epilogues all --out $OUT/f.json``.
    ``--combo-kernels on|off|both`` turns Inductor's ``combo_kernels`` (horizontal fusion of independent kernels,
    e.g. the rotary embedding of q and of k, into one launch) on for the compiled layers; the engine leaves it off.
 2. cuBLAS bf16 GEMV/GEMM times (``torch.matmul``, ``triton.testing.do_bench`` median, weights rotated over
@@ -127,7 +128,7 @@ def fusion_check(shape: str = "llama-3-8b", tokens: tuple[int, ...] = (1, 256), 
 
 
 def profile_engine(batches: list[int], context: int, steps: int, compile_layers: bool, fuse: bool | None = None,
-                   decode_gemv: bool = True, decode_fusion: bool = True, combo_kernels: bool = False) -> dict:
+                   decode_gemv: bool = True, decode_fusion: str = "all", combo_kernels: bool = False) -> dict:
     from paged_transformers import decode_linear
     from paged_transformers.bench import build_model
     from paged_transformers.config import EngineConfig
@@ -139,7 +140,8 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     t0 = time.perf_counter()
     torch._dynamo.utils.counters.clear()
     decode_linear.GEMV_ENABLED = decode_gemv  # read when the batch-1 graph is captured (engine start)
-    decode_linear.FUSE_ENABLED = decode_fusion  # read when the layers are compiled (engine start)
+    decode_linear.FUSE_ENABLED = decode_fusion != "off"  # read when the layers are compiled (engine start)
+    decode_linear.FUSE_NORM = decode_fusion == "all"
     torch._inductor.config.combo_kernels = combo_kernels  # Inductor's global config, read at compile time
     engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, compile_layers=compile_layers,
                                                          fuse_projections=fuse))
@@ -198,7 +200,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     out["prefill8x1024"] = {"wall_ms_p50_synced": wall * 1e3, "wall_ms_p50_plain": float("nan"),
                             "gemm": gemm_summary(prof, 1), "kernels": kernel_table(prof, 1)}
     engine.close()
-    decode_linear.GEMV_ENABLED = decode_linear.FUSE_ENABLED = True
+    decode_linear.GEMV_ENABLED = decode_linear.FUSE_ENABLED = decode_linear.FUSE_NORM = True
     torch._inductor.config.combo_kernels = False
     del engine, model
     gc.collect()  # the engine holds reference cycles (scheduler -> engine callbacks)
@@ -240,9 +242,9 @@ def main() -> None:
     ap.add_argument("--decode-gemv", choices=["on", "off", "both"], default="on",
                     help="batch-1 projections of the compiled layers on our Triton GEMV (on, the engine's default) or "
                          "cuBLAS (off); both: profile the compiled engine each way")
-    ap.add_argument("--decode-fusion", choices=["on", "off", "both"], default="on",
-                    help="fold RMSNorm / residual adds / SiLU*up into the batch-1 GEMVs of the compiled layers (on, the "
-                         "engine's default) or not (off); both: profile the compiled engine each way")
+    ap.add_argument("--decode-fusion", choices=["all", "epilogues", "off"], nargs="+", default=["all"],
+                    help="what the batch-1 GEMVs of the compiled layers fold: the add + RMSNorm prologue and the gated / "
+                         "residual epilogues (all), the epilogues only, or nothing (off); several: one engine each")
     ap.add_argument("--combo-kernels", choices=["on", "off", "both"], default="off",
                     help="Inductor's combo_kernels (horizontal fusion of independent kernels into one launch, e.g. "
                          "the rotary embedding of q and of k) in the compiled layers: off (the engine's default), on, both")
@@ -266,15 +268,15 @@ def main() -> None:
     report["engine"] = {}
     fuses = {"on": [True], "off": [False], "both": [True, False]}[args.fuse]
     gemvs = {"on": [True], "off": [False], "both": [True, False]}[args.decode_gemv]
-    dfuses = {"on": [True], "off": [False], "both": [True, False]}[args.decode_fusion]
+    dfuses = args.decode_fusion
     combos = {"on": [True], "off": [False], "both": [True, False]}[args.combo_kernels]
-    modes = [(c, f if c else False, gv if c else False, df if c else False, cb if c else False)
+    modes = [(c, f if c else False, gv if c else False, df if c else "off", cb if c else False)
              for c in {"on": [True], "off": [False], "both": [True, False]}[args.compile]
-             for f in (fuses if c else [False]) for gv in (gemvs if c else [False]) for df in (dfuses if c else [False])
+             for f in (fuses if c else [False]) for gv in (gemvs if c else [False]) for df in (dfuses if c else ["off"])
              for cb in (combos if c else [False])]
     for m, fuse, gv, df, cb in modes:
         mode = f"compile_{'on' if m else 'off'}" + (
-            f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}_dfuse_{'on' if df else 'off'}"
+            f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}_dfuse_{df}"
             + ("_combo" if cb else "") if m else "")
         cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, df, cb)
         if args.out:

@@ -51,6 +51,10 @@ FUSE_ENABLED = True
 """Whether the pass folds norms, residual adds and SiLU * up into the batch-1 products (``fuse_decode_ops``); read
 when a layer is compiled (benchmarks turn it off to A/B the fusion; part of the pass's ``uuid``)."""
 
+FUSE_NORM = True
+"""With ``FUSE_ENABLED``: whether the add + RMSNorm prologue is folded too (else only the gated and residual
+epilogues); read when a layer is compiled (benchmarks A/B it; part of the pass's ``uuid``)."""
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -178,7 +182,7 @@ class DecodeLinearPass(CustomGraphPass):
 
         # the kernel module by path: importing it would fix Triton's interpret-or-compile choice (kernels._launch)
         kernel_path = os.path.join(os.path.dirname(gemv_module.__file__), "gemv_kernels.py")
-        digest = hashlib.sha256(f"{self.device_type} fuse={FUSE_ENABLED}".encode())
+        digest = hashlib.sha256(f"{self.device_type} fuse={FUSE_ENABLED} norm={FUSE_NORM}".encode())
         for path in (__file__, gemv_module.__file__, kernel_path):
             with open(path, "rb") as f:
                 digest.update(f.read())
@@ -367,7 +371,7 @@ def fuse_decode_ops(graph: torch.fx.Graph) -> int:
         K, N = _val(x).shape[1], _val(weight).shape[0]
         x2 = norm_weight = eps = residual = residual2 = None
         gated, dead, last = False, [node], node
-        norm = _match_rms_norm(x)
+        norm = _match_rms_norm(x) if FUSE_NORM else None
         if norm is not None:
             h, norm_weight, eps, chain = norm
             dead += [*chain, h]

@@ -95,9 +95,12 @@ def test_one_graph_layer_folds_all_four_products(recorder, monkeypatch):
     assert torch.equal(fused[1], plain[1])  # the 2-token graph is the same code
 
 
-def test_engine_batch1_graph_is_fused_and_tokens_unchanged(recorder, monkeypatch):
+@pytest.mark.parametrize("fuse_norm", [True, False])
+def test_engine_batch1_graph_is_fused_and_tokens_unchanged(recorder, monkeypatch, fuse_norm):
     """Through the engine (piecewise graphs, paged attention): the batch-1 MLP graph runs 2 fused products and no
-    norm / SiLU / add node; the n-row graphs hold none; greedy tokens equal those with the fusion off."""
+    norm / SiLU / add node (with ``FUSE_NORM`` off: the norm's nodes stay, SiLU's go); the n-row graphs hold none;
+    greedy tokens equal those with the fusion off."""
+    monkeypatch.setattr(decode_linear, "FUSE_NORM", fuse_norm)
     model = make_tiny_model("llama", 3).to(torch.bfloat16)
     prompts, max_tokens = random_prompts(3, 1, 20, seed=5), [6, 3, 8]
     tokens = []
@@ -112,7 +115,11 @@ def test_engine_batch1_graph_is_fused_and_tokens_unchanged(recorder, monkeypatch
         if fuse:
             fused_graphs = [t for rows, t in recorder.graphs if FUSED in t]
             assert len(fused_graphs) == 1 and fused_graphs[0].count(FUSED) == 2
-            assert not SMALL_OPS & set(fused_graphs[0])
+            ops = set(fused_graphs[0])
+            if fuse_norm:
+                assert not SMALL_OPS & ops
+            else:
+                assert torch.ops.aten.rsqrt.default in ops and torch.ops.aten.exp.default not in ops
             assert all(rows == {1} for rows, t in recorder.graphs if FUSED in t)
             graphs_on = [t for rows, t in recorder.graphs if rows and rows != {1}]
     torch._dynamo.reset()
