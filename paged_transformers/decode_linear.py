@@ -51,9 +51,11 @@ FUSE_ENABLED = True
 """Whether the pass folds norms, residual adds and SiLU * up into the batch-1 products (``fuse_decode_ops``); read
 when a layer is compiled (benchmarks turn it off to A/B the fusion; part of the pass's ``uuid``)."""
 
-FUSE_NORM = True
+FUSE_NORM = False
 """With ``FUSE_ENABLED``: whether the add + RMSNorm prologue is folded too (else only the gated and residual
-epilogues); read when a layer is compiled (benchmarks A/B it; part of the pass's ``uuid``)."""
+epilogues); read when a layer is compiled (benchmarks A/B it; part of the pass's ``uuid``). Off: on the H200 the
+prologue made the batch-1 GEMVs 460 us per step slower (every program re-reads and re-normalizes the whole row)
+for 157 us of kernels saved (``profile_decode.py --decode-fusion``, BENCHMARKS.md)."""
 
 _HALF = (torch.float16, torch.bfloat16)
 
