@@ -68,6 +68,7 @@ def test_one_graph_layer_folds_all_four_products(recorder, monkeypatch):
     the fused layer take their prologue / epilogue (q|k|v: input norm; o: residual; gate|up: post norm and SiLU *
     up; down: residual) and no norm, SiLU or add node is left; at 2 tokens (the dynamic graph) nothing changes.
     Outputs equal the unfused compiled layer's within bf16 rounding, and the eager layer's."""
+    monkeypatch.setattr(decode_linear, "FUSE_NORM", True)
     model = make_tiny_model("llama", 21).to(torch.bfloat16)  # not the cached fixture's: .to() is in place
     handle = fuse_projections(model)
     try:
@@ -128,9 +129,10 @@ def test_engine_batch1_graph_is_fused_and_tokens_unchanged(recorder, monkeypatch
 
 
 @pytest.mark.parametrize("escapes", [False, True])
-def test_norm_with_a_second_user_stays_unfused(escapes):
+def test_norm_with_a_second_user_stays_unfused(escapes, monkeypatch):
     """A normalized activation used by something besides the product keeps its norm (the pattern is left alone);
-    the residual epilogue still folds. Without the second user (the control) the norm folds too."""
+    the residual epilogue still folds. Without the second user (the control) the norm folds too (``FUSE_NORM``)."""
+    monkeypatch.setattr(decode_linear, "FUSE_NORM", True)
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def f(h, nw, eps, w, r):
