@@ -19,13 +19,9 @@ Usage (GPU)::
    E.g. ``python benchmarks/profile_decode.py --compile on --fuse both --out $OUT/fusion.json`` (~2 min).
    ``--decode-gemv`` picks the batch-1 projections of the compiled layers: our Triton GEMV (``on``, the
    engine's default, ``paged_transformers.decode_linear``), cuBLAS (``off``) or ``both``.
-   ``--decode-fusion`` picks what the batch-1 graphs fold into the GEMVs (issue #4; ``decode_linear.FUSE_ENABLED``
-   and ``FUSE_NORM``): ``all`` (the add + RMSNorm prologue, the gated SiLU * up and residual epilogues), ``epilogues``
-   or ``off``; several values profile one engine each in one process (the short table then gives device time,
-   kernels and wall time per step of batch 1, batch 256 and prefill 8x1024 each way). E.g.
-   ``python benchmarks/profile_decode.py --compile on --decode-fusion off epilogues all --out $OUT/f.json``.
-   ``--combo-kernels on|off|both`` turns Inductor's ``combo_kernels`` (horizontal fusion of independent kernels,
-   e.g. the rotary embedding of q and of k, into one launch) on for the compiled layers; the engine leaves it off.
+   ``--combo-kernels on|off|both`` picks Inductor's ``combo_kernels`` (horizontal fusion of independent kernels,
+   e.g. the rotary embedding of q and of k, into one launch) for the compiled layers (``on``: the engine's default,
+   ``compile.INDUCTOR_OPTIONS``).
 2. cuBLAS bf16 GEMV/GEMM times (``torch.matmul``, ``triton.testing.do_bench`` median, weights rotated over
    sets larger than L2) for the Llama-3-8B projections, separate and fused (q|k|v, gate|up), at M = 1
    and M = 256, as achieved bytes/s of the weight.
@@ -128,9 +124,10 @@ def fusion_check(shape: str = "llama-3-8b", tokens: tuple[int, ...] = (1, 256), 
 
 
 def profile_engine(batches: list[int], context: int, steps: int, compile_layers: bool, fuse: bool | None = None,
-                   decode_gemv: bool = True, decode_fusion: str = "all", combo_kernels: bool = False) -> dict:
+                   decode_gemv: bool = True, combo_kernels: bool = False) -> dict:
     from paged_transformers import decode_linear
     from paged_transformers.bench import build_model
+    from paged_transformers.compile import INDUCTOR_OPTIONS
     from paged_transformers.config import EngineConfig
     from paged_transformers.engine import LLMEngine
     from paged_transformers.sampling_params import SamplingParams
@@ -140,9 +137,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     t0 = time.perf_counter()
     torch._dynamo.utils.counters.clear()
     decode_linear.GEMV_ENABLED = decode_gemv  # read when the batch-1 graph is captured (engine start)
-    decode_linear.FUSE_ENABLED = decode_fusion != "off"  # read when the layers are compiled (engine start)
-    decode_linear.FUSE_NORM = decode_fusion == "all"
-    torch._inductor.config.combo_kernels = combo_kernels  # Inductor's global config, read at compile time
+    INDUCTOR_OPTIONS["combo_kernels"] = combo_kernels  # read when the layers are compiled (engine start)
     engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, compile_layers=compile_layers,
                                                          fuse_projections=fuse))
     fusion = getattr(engine.runner, "fusion", None)
@@ -200,8 +195,8 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     out["prefill8x1024"] = {"wall_ms_p50_synced": wall * 1e3, "wall_ms_p50_plain": float("nan"),
                             "gemm": gemm_summary(prof, 1), "kernels": kernel_table(prof, 1)}
     engine.close()
-    decode_linear.GEMV_ENABLED = decode_linear.FUSE_ENABLED = decode_linear.FUSE_NORM = True
-    torch._inductor.config.combo_kernels = False
+    decode_linear.GEMV_ENABLED = True
+    INDUCTOR_OPTIONS["combo_kernels"] = True
     del engine, model
     gc.collect()  # the engine holds reference cycles (scheduler -> engine callbacks)
     torch._dynamo.reset()
@@ -242,12 +237,9 @@ def main() -> None:
     ap.add_argument("--decode-gemv", choices=["on", "off", "both"], default="on",
                     help="batch-1 projections of the compiled layers on our Triton GEMV (on, the engine's default) or "
                          "cuBLAS (off); both: profile the compiled engine each way")
-    ap.add_argument("--decode-fusion", choices=["all", "epilogues", "off"], nargs="+", default=["all"],
-                    help="what the batch-1 GEMVs of the compiled layers fold: the add + RMSNorm prologue and the gated / "
-                         "residual epilogues (all), the epilogues only, or nothing (off); several: one engine each")
-    ap.add_argument("--combo-kernels", choices=["on", "off", "both"], default="off",
+    ap.add_argument("--combo-kernels", choices=["on", "off", "both"], default="on",
                     help="Inductor's combo_kernels (horizontal fusion of independent kernels into one launch, e.g. "
-                         "the rotary embedding of q and of k) in the compiled layers: off (the engine's default), on, both")
+                         "the rotary embedding of q and of k) in the compiled layers: on (the engine's default), off, both")
     ap.add_argument("--check-shapes", nargs="*", default=["llama-3-8b"],
                     help="with --fuse both: one-layer models checked by fusion_check first (e.g. llama-3-8b qwen2.5-7b)")
     ap.add_argument("--gemv", action="store_true", help="also time the cuBLAS projections (part 2)")
@@ -268,17 +260,16 @@ def main() -> None:
     report["engine"] = {}
     fuses = {"on": [True], "off": [False], "both": [True, False]}[args.fuse]
     gemvs = {"on": [True], "off": [False], "both": [True, False]}[args.decode_gemv]
-    dfuses = args.decode_fusion
     combos = {"on": [True], "off": [False], "both": [True, False]}[args.combo_kernels]
-    modes = [(c, f if c else False, gv if c else False, df if c else "off", cb if c else False)
+    modes = [(c, f if c else False, gv if c else False, cb if c else False)
              for c in {"on": [True], "off": [False], "both": [True, False]}[args.compile]
-             for f in (fuses if c else [False]) for gv in (gemvs if c else [False]) for df in (dfuses if c else ["off"])
+             for f in (fuses if c else [False]) for gv in (gemvs if c else [False])
              for cb in (combos if c else [False])]
-    for m, fuse, gv, df, cb in modes:
+    for m, fuse, gv, cb in modes:
         mode = f"compile_{'on' if m else 'off'}" + (
-            f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}_dfuse_{df}"
-            + ("_combo" if cb else "") if m else "")
-        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, df, cb)
+            f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}"
+            + ("" if cb else "_nocombo") if m else "")
+        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, cb)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

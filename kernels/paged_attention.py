@@ -36,9 +36,12 @@ from ._launch import cdiv, check_device, load_triton_kernels, next_power_of_2, n
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # Flash-decoding split heuristic: aim for SPLIT_PROGRAMS_PER_SM programs per multiprocessor, but give
-# each split at least MIN_KEYS_PER_SPLIT keys (fewer would spend more on the merge than they save).
+# each split at least MIN_KEYS_PER_SPLIT keys (fewer would spend more on the merge than they save). 192: the
+# batch-1 decode of issue 4 (context 512, graphs captured with the bound 1536) ran attention + merge in 6.5 us with
+# the 8 splits it gives against 7.8 us with 256's 6 (H200, ``bench_kernels.py --batch1-sweep``; 8 splits of 64-key
+# tiles put one tile in each split, 6 left 2 splits idle).
 SPLIT_PROGRAMS_PER_SM = 4
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 192
 MAX_KV_SPLITS = 128
 INT32_MAX = 2**31 - 1
 

@@ -707,6 +707,15 @@ if triton is not None:
             return 0x4B000000
 
     @triton.jit
+    def _tc_magic_pair(DT: tl.constexpr):
+        """``_tc_magic_bits`` of a 16-bit ``DT`` in both halves of an int32 (a function returning literals: triton
+        3.6 cannot multiply a constexpr that holds a jit function's result)."""
+        if DT == tl.bfloat16:
+            return 0x43004300
+        else:
+            return 0x64006400
+
+    @triton.jit
     def _tc_magic_value(DT: tl.constexpr):
         """``B`` of ``_tc_magic_bits`` as a float."""
         if DT == tl.bfloat16:
@@ -768,7 +777,7 @@ if triton is not None:
             f6 = ((p >> 24) & 15 | MAGIC).to(tl.float32, bitcast=True)
             f7 = ((p >> 28) & 15 | MAGIC).to(tl.float32, bitcast=True)
         else:
-            PAIR: tl.constexpr = MAGIC * 0x10001  # the magic in both 16-bit halves
+            PAIR = _tc_magic_pair(DT)  # the magic in both 16-bit halves
             t0 = p & 0x000F000F | PAIR
             t1 = (p >> 4) & 0x000F000F | PAIR
             t2 = (p >> 8) & 0x000F000F | PAIR

@@ -10,7 +10,10 @@ into a few Triton kernels; the projections stay cuBLAS (or our W4A16 kernel) cal
 ``decode_linear.DecodeLinearPass`` routes them to our Triton GEMV. vLLM compiles its
 model definitions the same way, with the graph split at attention (its ``splitting_ops``).
 
-Inductor runs with ``emulate_precision_casts`` so that a fused kernel rounds to the model dtype where the
+Inductor runs with ``combo_kernels`` (independent kernels of a graph horizontally fused into one launch: the rotary
+embeddings of q and of k become one kernel; H200, Llama-3-8B shape: 447 -> 415 kernels and -29 us of device time
+per batch-1 decode step, -115 us at batch 256, ``profile_decode.py --combo-kernels both``) and with
+``emulate_precision_casts`` so that a fused kernel rounds to the model dtype where the
 eager code does (e.g. the bf16 output of SiLU before the multiply), keeping the numbers those of the
 eager model up to the order of floating-point reductions.
 """
@@ -20,7 +23,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .decode_linear import DecodeLinearPass
 
-INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": DecodeLinearPass()}
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": DecodeLinearPass(),
+                    "combo_kernels": True}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

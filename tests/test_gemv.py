@@ -14,14 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from paged_transformers import decode_linear  # noqa: E402
-from paged_transformers.kernels.gemv import (  # noqa: E402
-    DEFAULT_GEMV_CONFIG,
-    GemvConfig,
-    gemv,
-    gemv_fused,
-    gemv_fused_ref,
-    gemv_ref,
-)
+from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, GemvConfig, gemv, gemv_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32 = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16  # fp32 runs only under the interpreter
@@ -61,62 +54,6 @@ def test_every_row_and_column_counts():
         x = torch.zeros(1, K, device=DEVICE, dtype=FP32)
         x[0, k] = 1.0
         assert torch.equal(gemv(x, weight, config=GemvConfig(8, 32)), weight[:, k][None])
-
-
-FUSED_MODES = {  # gemv_fused keyword sets: the four decode-layer uses and the pieces alone
-    "norm": {"norm_weight"},  # q|k|v after the input norm
-    "residual": {"residual"},  # o + residual
-    "add_norm_gated": {"x2", "norm_weight", "gated"},  # gate|up after h = a + b and the post norm
-    "residual2": {"residual", "residual2"},  # down + (a + b)
-    "x2": {"x2"},
-    "gated_residual": {"gated", "residual"},
-}
-
-
-@pytest.mark.parametrize("mode", list(FUSED_MODES))
-@pytest.mark.parametrize(
-    "N, K, dtype, config",
-    [
-        (37, 100, FP32, GemvConfig(8, 32)),  # N and K off the tile grid
-        (16, 128, torch.bfloat16, GemvConfig(4, 64, 2)),
-        (21, 96, torch.float16, GemvConfig(8, 64)),
-    ],
-)
-def test_fused_matches_reference(N, K, dtype, config, mode):
-    """Each fused mode against ``gemv_fused_ref`` (the PyTorch ops it replaces, rounding at the same points)."""
-    keys = FUSED_MODES[mode]
-    g = torch.Generator().manual_seed(N + K)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(DEVICE)  # noqa: E731
-    rows = 2 * N if "gated" in keys else N
-    weight, bias = rnd(rows, K) / K**0.5, torch.randn(rows, generator=g).to(DEVICE)
-    kwargs = {"x2": rnd(1, K), "norm_weight": 1 + 0.1 * rnd(K), "residual": rnd(1, N), "residual2": rnd(1, N),
-              "gated": True}
-    kwargs = {k: v for k, v in kwargs.items() if k in keys}
-    if "norm_weight" in keys:
-        kwargs["eps"] = 1e-5
-    x = rnd(1, K) * 3  # rstd far from 1, so a norm left out shows
-    out = gemv_fused(x, weight, bias, config=config, **kwargs)
-    ref = gemv_fused_ref(x, weight, bias, **kwargs)
-    assert out.shape == (1, N) and out.dtype == dtype
-    # SiLU(gate) * up multiplies two rounded values: a gate one rounding step apart moves the product by ~|up| ulps
-    tol = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}[dtype] * (4 if "gated" in keys else 1)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
-    if "norm_weight" in keys:  # the control: without the norm the result is far off
-        assert not torch.allclose(gemv(x if "x2" not in keys else x + kwargs["x2"], weight[:N], bias[:N]).float(),
-                                  gemv_fused_ref(x, weight[:N], bias[:N], norm_weight=kwargs["norm_weight"],
-                                                 x2=kwargs.get("x2"), eps=1e-5).float(), rtol=0.1, atol=0.1)
-
-
-def test_fused_bad_arguments():
-    x, w = torch.randn(1, 8, device=DEVICE, dtype=torch.bfloat16), torch.randn(6, 8, device=DEVICE, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="gated weight has 2I rows"):
-        gemv_fused(x, w[:5], gated=True)
-    with pytest.raises(ValueError, match=r"residual must be a contiguous torch.bfloat16 \[1, 3\]"):
-        gemv_fused(x, w, residual=torch.zeros(1, 6, device=DEVICE, dtype=torch.bfloat16), gated=True)
-    with pytest.raises(ValueError, match="norm_weight must be"):
-        gemv_fused(x, w, norm_weight=torch.ones(8, device=DEVICE))  # fp32 norm weight with bf16 x
-    with pytest.raises(ValueError, match="give residual too"):
-        gemv_fused(x, w, residual2=torch.zeros(1, 6, device=DEVICE, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize(
@@ -209,30 +146,6 @@ def test_op_takes_the_gemv_for_one_row(N, K):
     _close(torch.ops.paged_transformers.linear(x1, w, b), gemv_ref(x1, w, b))
     x4 = torch.randn(4, K, device="cuda", dtype=torch.bfloat16, generator=g)
     assert torch.equal(torch.ops.paged_transformers.linear(x4, w, b), torch.nn.functional.linear(x4, w, b))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused GEMV branch of the op needs CUDA")
-@pytest.mark.parametrize("N, K", [(6144, 4096), (14336, 4096), (4096, 14336), (1000, 4104)])
-def test_fused_op_takes_the_gemv_for_one_row(N, K):
-    """Llama-3-8B sizes: each decode-layer use of ``linear_fused`` on one CUDA row equals the PyTorch path (the
-    unfused ops, cuBLAS product) within bf16 rounding."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-    w, nw, eps = rnd(N, K) * 0.02, 1 + 0.1 * rnd(K), torch.tensor(1e-5, dtype=torch.float64)
-    a, b = rnd(1, K), rnd(1, K)
-    n_out = N // 2
-    cases = [(a, None, nw, None, None, False, N), (a, b, nw, None, None, True, n_out),
-             (a, None, None, rnd(1, N), rnd(1, N), False, N)]
-    for x, x2, norm_w, r, r2, gated, cols in cases:
-        args = (x, w, None, x2, norm_w, eps if norm_w is not None else None, r, r2, gated)
-        out = torch.ops.paged_transformers.linear_fused(*args)
-        ref = torch.ops.paged_transformers.linear_fused(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in args))
-        assert out.shape == (1, cols)
-        _close_tol(out.cpu(), ref, 2**-5 if gated else 2**-6)
-
-
-def _close_tol(out, ref, tol):
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
 
 
 class _RouteCPU(decode_linear.DecodeLinearPass):
