@@ -476,6 +476,22 @@ def e2e_paged(device, num_requests: int = 4, context: int = 512, decode_steps: i
     return result
 
 
+def print_best(rows: list[dict], K: int, N: int, M: int | None, top: int, width: int) -> None:
+    """The ``top`` fastest timed rows of one shape (and ``M``, if given), plus the default if it is not among them."""
+    rs = sorted((r for r in rows if r.get("K") == K and r.get("N") == N and (M is None or r.get("M") == M) and "graph_us" in r),
+                key=lambda r: r["graph_us"])
+    for r in rs[:top] + [r for r in rs[top:] if r["config"] == "default"]:
+        m = "" if M is None else f" M={M:2d}"
+        print(f"{K:5d}x{N:<5d}{m} {r['config'][:width]:{width}s} {r['graph_us']:7.1f} x{r['speedup']:4.2f} "
+              f"{r['int4_tb_s']:4.2f} TB/s  (bf16 {r['bf16_graph_us']:.1f}, target x{TARGET_SMALL_M[(K, N)]})")
+
+
+def print_failed(rows: list[dict], t_start: float) -> None:
+    """The count of failed rows and the run's wall time."""
+    failed = [r for r in rows if "error" in r or r.get("ok") is False]
+    print(f"failed: {len(failed)}; total {time.perf_counter() - t_start:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the JSON report here")
@@ -521,13 +537,8 @@ def main() -> None:
         print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
         for K, N in SHAPES:
             for M in (1, 4, 16):
-                rs = sorted((r for r in rows if r.get("K") == K and r.get("N") == N and r.get("M") == M and "graph_us" in r),
-                            key=lambda r: r["graph_us"])
-                for r in rs[:3] + [r for r in rs[3:] if r["config"] == "default"]:
-                    print(f"{K:5d}x{N:<5d} M={M:2d} {r['config'][:40]:40s} {r['graph_us']:7.1f} x{r['speedup']:4.2f} "
-                          f"{r['int4_tb_s']:4.2f} TB/s  (bf16 {r['bf16_graph_us']:.1f}, target x{TARGET_SMALL_M[(K, N)]})")
-        failed = [r for r in rows if "error" in r or r.get("ok") is False]
-        print(f"failed: {len(failed)}; total {time.perf_counter() - t_start:.0f} s")
+                print_best(rows, K, N, M, top=3, width=40)
+        print_failed(rows, t_start)
         return
     if args.variants == "gemv":
         report["command"] = "python benchmarks/bench_w4a16.py --variants gemv"
@@ -538,12 +549,8 @@ def main() -> None:
                 json.dump(report, f, indent=1)
         print("\nM = 1, us per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
         for K, N in SHAPES:
-            rs = sorted((r for r in rows if r.get("K") == K and r.get("N") == N and "graph_us" in r), key=lambda r: r["graph_us"])
-            for r in rs[:5] + [r for r in rs[5:] if r["config"] == "default"]:
-                print(f"{K:5d}x{N:<5d} {r['config'][:44]:44s} {r['graph_us']:7.1f} x{r['speedup']:4.2f} {r['int4_tb_s']:4.2f} TB/s"
-                      f"  (bf16 {r['bf16_graph_us']:.1f}, target x{TARGET_SMALL_M[(K, N)]})")
-        failed = [r for r in rows if "error" in r or r.get("ok") is False]
-        print(f"failed: {len(failed)}; total {time.perf_counter() - t_start:.0f} s")
+            print_best(rows, K, N, None, top=5, width=44)
+        print_failed(rows, t_start)
         return
     report["correctness"] = check_correctness(device)
     bad = [r for r in report["correctness"] if not r["ok"]]

@@ -8,7 +8,6 @@ back to the synchronous path cannot pass silently.
 """
 
 import pytest
-import torch
 
 from conftest import assert_pool_whole, check_block_invariants, random_prompts
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams
