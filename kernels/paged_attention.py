@@ -147,8 +147,9 @@ def paged_attention(
             context; computed from the tensors (a host sync) when None. ``max_query_len`` picks the
             tile shape and ``max_seq_len`` the number of KV splits, so upper bounds are fine.
         out: optional output ``[num_tokens, num_heads, head_dim]``, query's dtype, stride 1 on ``head_dim``.
-        num_kv_splits: split each sequence's KV range over this many programs (flash-decoding);
-            default ``pick_num_kv_splits`` when every sequence's queries fit one tile (decode), else 1.
+        num_kv_splits: split each sequence's KV range over this many programs (flash-decoding), 1 to
+            ``MAX_KV_SPLITS``; default ``pick_num_kv_splits`` when every sequence's queries fit one tile
+            (decode), else 1.
 
     Returns:
         ``out`` (or a new tensor) ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
@@ -165,8 +166,8 @@ def paged_attention(
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if softcap is not None and softcap < 0:
         raise ValueError(f"softcap must be >= 0 or None, got {softcap}")
-    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits <= 0):
-        raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
+    if num_kv_splits is not None and (type(num_kv_splits) is not int or not 0 < num_kv_splits <= MAX_KV_SPLITS):
+        raise ValueError(f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}] or None, got {num_kv_splits!r}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]

@@ -186,7 +186,8 @@ class W4A16Config:
     programs share each output tile. ``algo`` may be given as its string value.
 
     Raises:
-        ValueError: an unknown ``algo`` or a non-positive size.
+        ValueError: an unknown ``algo``, a non-positive size, a block size or ``num_warps`` that is not a power
+            of two (``tl.arange`` and Triton's warp count need one), or a non-bool flag.
     """
 
     block_m: int
@@ -214,6 +215,13 @@ class W4A16Config:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"W4A16Config.{name} must be a positive int, got {value!r}")
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"W4A16Config.{name} must be a power of two, got {value!r}")
+        for name in ("prefetch", "fold_exp", "tc_perm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"W4A16Config.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.biased_fma) is not int or self.biased_fma not in (0, 12, 15):
             raise ValueError(f"W4A16Config.biased_fma must be 0 (off), 12 or 15, got {self.biased_fma!r}")
         if self.biased_fma and self.algo != W4A16Algo.GEMV:

@@ -52,7 +52,8 @@ class EngineConfig:
             ``async_scheduling``, SGLang's overlap scheduler). Steps with admissions, n > 1 forks, a
             possible length finish, host-side sampling work (penalties, logits processors, min_tokens)
             or too few free blocks run synchronously. Outputs are the same as with False, the
-            synchronous loop (``LLMEngine.step``).
+            synchronous loop (``LLMEngine.step``), for greedy and seeded requests; unseeded random
+            sampling draws from the global generator in another order, so its tokens differ.
 
     Raises:
         ValueError: a field out of range, naming the field and the value.

@@ -467,13 +467,16 @@ class LLMEngine:
             self.scheduler.update_from_output(plan, sampled)
 
         now = time.perf_counter()
-        touched = dict.fromkeys(seq.request_id for seq in sample_seqs)
-        outputs = []
         requests = self.requests
-        for request_id in touched:
-            request = requests.get(request_id)
-            if request is None:  # aborted while the step ran, or finished by the step before
-                continue
+        touched: dict[str, _Request] = {}
+        for seq in sample_seqs:
+            request = requests.get(seq.request_id)
+            # None: aborted while the step ran, or finished by the step before; a request without this
+            # sequence: the id was aborted and added again while the step ran (its row is the old request's)
+            if request is not None and any(s is seq for s in request.seqs):
+                touched[seq.request_id] = request
+        outputs = []
+        for request_id, request in touched.items():
             metrics = request.metrics
             if not metrics.first_token_time:
                 metrics.first_token_time = now

@@ -130,6 +130,37 @@ def test_abort_while_a_step_is_in_flight(llama):
     assert len(got["2"][0][0]) == 5 and got["2"][0][1] is None  # the last output before the abort
 
 
+def test_request_id_reused_while_a_step_is_in_flight(llama):
+    """A request aborted and added again under the same id while a step with the old one's row runs: that row
+    is not reported as the new request's (every output of it carries a token, as in the synchronous loop), and
+    its final tokens equal the synchronous loop's."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    new_prompt = random_prompts(1, 6, 6, seed=9)[0]
+
+    def outputs_of_new_request(async_scheduling):
+        seen, in_flight = [], None
+        with LLMEngine(llama, engine_config=EngineConfig(max_model_len=256, async_scheduling=async_scheduling)) as engine:
+            for i, prompt in enumerate(PROMPTS):
+                engine.add_request(str(i), prompt, params)
+            step = 0
+            while engine.has_unfinished_requests():
+                if step == 4:
+                    in_flight = engine._in_flight is not None
+                    engine.abort_request("2")
+                    engine.add_request("2", new_prompt, params)
+                for out in engine.step():
+                    if out.request_id == "2" and step >= 4:
+                        seen.append(list(out.outputs[0].token_ids))
+                step += 1
+            assert_pool_whole(engine)
+        return seen, in_flight
+
+    (sync, _), (got, in_flight) = outputs_of_new_request(False), outputs_of_new_request(True)
+    assert in_flight
+    assert all(got) and all(sync) and len(got[-1]) == 8
+    assert got[-1] == sync[-1]
+
+
 def test_preemption_with_a_tiny_pool(llama):
     """A pool too small for all requests: preempting steps run synchronously, the rest pipelined."""
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) for _ in PROMPTS]

@@ -230,6 +230,9 @@ def test_rejects_bad_options():
         paged_attention(*args, 0.125, sliding_window=0)
     with pytest.raises(ValueError, match="softcap"):
         paged_attention(*args, 0.125, softcap=-1.0)
+    for bad in (True, 0, 129, 2.0):
+        with pytest.raises(ValueError, match="num_kv_splits must be an int in"):
+            paged_attention(*args, 0.125, num_kv_splits=bad)
     with pytest.raises(ValueError, match="out must be"):
         paged_attention(*args, 0.125, out=torch.empty(3, 4, 32, device=DEVICE))
     with pytest.raises(ValueError, match="head_dim must be"):

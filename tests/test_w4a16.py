@@ -190,6 +190,12 @@ def test_config_validation():
         k.W4A16Config(1, 16, 64, algo="gemv", biased_fma=12.0)  # exact ints only: the kernel needs a constexpr int
     with pytest.raises(ValueError, match="is a GEMV option"):
         k.W4A16Config(16, 16, 64, algo="dot", biased_fma=15)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        k.W4A16Config(16, 48, 64)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        k.W4A16Config(16, 16, 64, num_warps=3)
+    with pytest.raises(ValueError, match="tc_perm must be a bool"):
+        k.W4A16Config(16, 64, 128, algo="tc", tc_perm="no")
     for bad in (True, 48.5):
         with pytest.raises(ValueError, match="block_n must be a positive int"):
             k.W4A16Config(1, bad, 64)
