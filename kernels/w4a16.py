@@ -369,21 +369,7 @@ if triton is not None:
     ):
         PACK: tl.constexpr = 32 // BITS
         tl.static_assert(BLOCK_K % PACK == 0)
-        pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_m = tl.cdiv(M, BLOCK_M)
-        # N-major tile order: the M-tiles of one weight tile are neighbours (weight read once from HBM)
-        pid_m = pid % num_m
-        pid_n = pid // num_m
-
-        k_iters = tl.cdiv(K, BLOCK_K)
-        iters_per_split = tl.cdiv(k_iters, SPLIT_K)
-        it_start = pid_k * iters_per_split
-        it_end = tl.minimum(it_start + iters_per_split, k_iters)
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)  # 16-byte weight loads when N % 4 == 0
+        pid, it_start, it_end, offs_m, offs_n = _split_k_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
         offs_kp = tl.arange(0, BLOCK_K // PACK)
         mask_m = offs_m < M
         mask_n = offs_n < N
@@ -401,6 +387,26 @@ if triton is not None:
 
         _write_tile(acc, offs_m, offs_n, mask_m, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid, N, stride_om,
                     HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _split_k_tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """Where program ``(tile, pid_k)`` of the split-K grid works: its output tile's rows ``offs_m [BLOCK_M]`` and
+        columns ``offs_n [BLOCK_N]`` (tiles N-major: the M-tiles of one weight tile are neighbours, so the weight is
+        read once from HBM) and its K steps ``[it_start, it_end)`` of ``BLOCK_K`` rows. Returns
+        ``(tile, it_start, it_end, offs_m, offs_n)``; ``tile`` is ``_write_tile``'s ``tile_id``."""
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_m
+        pid_n = pid // num_m
+        k_iters = tl.cdiv(K, BLOCK_K)
+        iters_per_split = tl.cdiv(k_iters, SPLIT_K)
+        it_start = pid_k * iters_per_split
+        it_end = tl.minimum(it_start + iters_per_split, k_iters)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)  # 16-byte weight loads when N % 4 == 0
+        return pid, it_start, it_end, offs_m, offs_n
 
     @triton.jit
     def _write_tile(
@@ -856,19 +862,7 @@ if triton is not None:
         tl.static_assert(BLOCK_K % 8 == 0)
         BKP: tl.constexpr = BLOCK_K // 8
         DT: tl.constexpr = x_ptr.dtype.element_ty
-        pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_m = tl.cdiv(M, BLOCK_M)
-        pid_m = pid % num_m  # N-major tile order, as _w4a16_kernel_fn
-        pid_n = pid // num_m
-        k_iters = tl.cdiv(K, BLOCK_K)
-        iters_per_split = tl.cdiv(k_iters, SPLIT_K)
-        it_start = pid_k * iters_per_split
-        it_end = tl.minimum(it_start + iters_per_split, k_iters)
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+        pid, it_start, it_end, offs_m, offs_n = _split_k_tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
         offs_kp = tl.arange(0, BKP)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < M
