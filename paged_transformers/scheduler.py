@@ -223,23 +223,17 @@ class Scheduler:
         and append ``PLACEHOLDER_TOKEN_ID`` to each sampled sequence, so that ``schedule()`` plans its
         next decode token. ``replace_placeholders`` applies the tokens once they are on the host.
 
-        Every unfinished sequence of ``out`` must be sampled in it and have no pending forks (the engine
-        pipelines only such steps). Blocks are hashed before the placeholder is appended, over tokens that
-        are all real (``num_computed_tokens == num_tokens``).
+        Every unfinished sequence of ``out`` must be sampled in it, and no sequence may have pending forks
+        (the engine pipelines only such steps). Blocks are hashed before the placeholder is appended, over
+        tokens that are all real (``num_computed_tokens == num_tokens``).
         """
-        caching = self.config.enable_prefix_caching
-        bm = self.block_manager
-        block_size = bm.block_size
-        num_hashed = bm.num_hashed_blocks
-        for seq, num_new, samples in zip(out.seqs, out.num_scheduled_tokens, out.sample_mask):
+        assert not any(seq.pending_forks for seq in out.seqs), out
+        self.update_from_output(out, {})  # no sampled tokens: advances and caches, appends nothing, stops nothing
+        for seq, samples in zip(out.seqs, out.sample_mask):
             if seq.status.is_finished:  # aborted while the step ran
                 continue
-            assert samples and not seq.pending_forks and seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID, seq
-            seq.num_computed_tokens += num_new
+            assert samples and seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID, seq
             assert seq.num_computed_tokens == seq.num_tokens, (seq.num_computed_tokens, seq.num_tokens)
-            if caching and seq.num_computed_tokens // block_size > num_hashed.get(seq.seq_id, 0):
-                bm.cache_full_blocks(seq.seq_id, extend_block_hashes(seq.block_hashes, seq.token_ids, block_size),
-                                     seq.num_computed_tokens)
             seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
 
     def replace_placeholders(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
