@@ -410,16 +410,13 @@ class ModelRunner:
         if input_ids is not None and (tuple(input_ids.shape) != (S,) or out.num_scheduled_tokens.count(1) != S):
             raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} for a step of {S} sequences and "
                              f"{sum(out.num_scheduled_tokens)} tokens: only decode steps take device input ids, one per sequence")
+        T, num_sampled, max_query_len, max_seq_len = self.prepare(out, pad_to=bucket)
+        if input_ids is not None:
+            self.input_ids[:S].copy_(input_ids)
         if bucket is not None:
-            self.prepare(out, pad_to=bucket)
-            if input_ids is not None:
-                self.input_ids[:S].copy_(input_ids)
             self.graphs[bucket].replay()
             logits = self.graph_logits[bucket][0, :S].float()
         else:
-            T, num_sampled, max_query_len, max_seq_len = self.prepare(out)
-            if input_ids is not None:
-                self.input_ids[:S].copy_(input_ids)
             logits = self._forward(T, S, num_sampled, max_query_len, max_seq_len)[0].float()
         if start is not None:
             end.record()
