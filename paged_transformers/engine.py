@@ -472,8 +472,11 @@ class LLMEngine:
         for seq in sample_seqs:
             request = requests.get(seq.request_id)
             # None: aborted while the step ran, or finished by the step before; a request without this
-            # sequence: the id was aborted and added again while the step ran (its row is the old request's)
-            if request is not None and any(s is seq for s in request.seqs):
+            # sequence: the id was aborted and added again while the step ran (its row is the old request's).
+            # request.seqs is in index order (add_request), so the check is one lookup per row; the new
+            # request may have fewer sequences than the old one.
+            seqs = request.seqs if request is not None else ()
+            if seq.index < len(seqs) and seqs[seq.index] is seq:
                 touched[seq.request_id] = request
         outputs = []
         for request_id, request in touched.items():

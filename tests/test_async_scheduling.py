@@ -130,10 +130,11 @@ def test_abort_while_a_step_is_in_flight(llama):
     assert len(got["2"][0][0]) == 5 and got["2"][0][1] is None  # the last output before the abort
 
 
-def test_request_id_reused_while_a_step_is_in_flight(llama):
-    """A request aborted and added again under the same id while a step with the old one's row runs: that row
-    is not reported as the new request's (every output of it carries a token, as in the synchronous loop), and
-    its final tokens equal the synchronous loop's."""
+@pytest.mark.parametrize("old_n", [1, 2])
+def test_request_id_reused_while_a_step_is_in_flight(llama, old_n):
+    """A request aborted and added again under the same id while a step with the old one's rows runs (the old
+    one with n = 1 or 2 sequences, the new one with 1): those rows are not reported as the new request's (every
+    output of it carries a token, as in the synchronous loop), and its final tokens equal the synchronous loop's."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     new_prompt = random_prompts(1, 6, 6, seed=9)[0]
 
@@ -141,7 +142,8 @@ def test_request_id_reused_while_a_step_is_in_flight(llama):
         seen, in_flight = [], None
         with LLMEngine(llama, engine_config=EngineConfig(max_model_len=256, async_scheduling=async_scheduling)) as engine:
             for i, prompt in enumerate(PROMPTS):
-                engine.add_request(str(i), prompt, params)
+                engine.add_request(str(i), prompt, SamplingParams(n=old_n, temperature=0, max_tokens=8, ignore_eos=True)
+                                   if i == 2 else params)
             step = 0
             while engine.has_unfinished_requests():
                 if step == 4:
