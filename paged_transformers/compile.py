@@ -8,7 +8,8 @@ graph inputs). Inductor fuses the small ops between the projections -- RMSNorm's
 scale, the rotary embedding's halves and concatenation, SiLU times the up projection, residual adds --
 into a few Triton kernels; the projections stay cuBLAS (or our W4A16 kernel) calls, except at batch 1, where
 ``decode_linear.DecodeLinearPass`` routes them to our Triton GEMV. vLLM compiles its
-model definitions the same way, with the graph split at attention (its ``splitting_ops``).
+model definitions the same way, with the graph split at attention (its ``splitting_ops``). The rotary
+embeddings and RMSNorms outside the layers (``outer_modules``) are compiled the same way, one graph each.
 
 Inductor runs with ``combo_kernels`` (independent kernels of a graph horizontally fused into one launch: the rotary
 embeddings of q and of k become one kernel; H200, Llama-3-8B shape: 447 -> 415 kernels and -29 us of device time
@@ -38,28 +39,43 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def outer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's rotary embeddings and RMSNorms that run outside its decoder layers (by transformers' class names,
+    ``*RotaryEmbedding`` / ``*RMSNorm``: Llama's ``model.rotary_emb`` and final ``model.norm``), in module order.
+
+    NOTE: eager, they are a dozen small kernels per step (the rotary cos/sin: a matmul, cos, sin, cat, scaling and
+    casts; the norm: mean, rsqrt, multiplies and casts), about 20 us of each batch-1 decode step on an H200;
+    compiled, one fused kernel each.
+    """
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    return [m for m in model.modules()
+            if id(m) not in inside and type(m).__name__.endswith(("RotaryEmbedding", "RMSNorm"))]
+
+
 def compile_layers(model: torch.nn.Module, options: dict | None = None) -> list[tuple[torch.nn.Module, object]]:
-    """Replace each decoder layer's ``forward`` by its ``torch.compile``d version (lazy: Dynamo traces on
-    the first call). A ``forward`` already set on the instance (accelerate's device-map / offload hooks, a
-    user's wrapper) is what gets compiled, and is put back by ``uncompile_layers``. ``options``: Inductor
-    options on top of ``INDUCTOR_OPTIONS`` (``fusion.COMPILE_OPTIONS`` when projections are fused).
+    """Replace the ``forward`` of each decoder layer, then of each of ``outer_modules``, by its ``torch.compile``d
+    version (lazy: Dynamo traces on the first call). A ``forward`` already set on the instance (accelerate's
+    device-map / offload hooks, a user's wrapper) is what gets compiled, and is put back by ``uncompile_layers``.
+    ``options``: Inductor options on top of ``INDUCTOR_OPTIONS`` (``fusion.COMPILE_OPTIONS`` when projections are
+    fused).
 
     Returns:
-        ``(layer, previous instance forward or None)`` per layer changed, for ``uncompile_layers``; empty
-        when the model has no ``GradientCheckpointingLayer`` (nothing is changed then).
+        ``(module, previous instance forward or None)`` per module changed, decoder layers first, for
+        ``uncompile_layers``; empty when the model has no ``GradientCheckpointingLayer`` (nothing is changed then).
     """
     changed, options = [], {**INDUCTOR_OPTIONS, **(options or {})}
-    for layer in decoder_layers(model):
-        changed.append((layer, vars(layer).get("forward")))
-        layer.forward = torch.compile(layer.forward, dynamic=True, options=options)
+    layers = decoder_layers(model)
+    for module in layers + (outer_modules(model) if layers else []):
+        changed.append((module, vars(module).get("forward")))
+        module.forward = torch.compile(module.forward, dynamic=True, options=options)
     return changed
 
 
 def uncompile_layers(changed: list[tuple[torch.nn.Module, object]]) -> None:
-    """Undo ``compile_layers``: each layer gets back the ``forward`` it had before (its class's, or the
+    """Undo ``compile_layers``: each module gets back the ``forward`` it had before (its class's, or the
     instance attribute that was there)."""
-    for layer, previous in changed:
+    for module, previous in changed:
         if previous is not None:
-            layer.forward = previous
-        elif "forward" in vars(layer):
-            del layer.forward
+            module.forward = previous
+        elif "forward" in vars(module):
+            del module.forward

@@ -283,7 +283,9 @@ class ModelRunner:
             position_ids=self.positions[:num_tokens].unsqueeze(0),
             use_cache=False,
             paged_metadata=metadata,
-            logits_to_keep=self.logits_indices[:num_sampled],
+            # every row sampled (a decode step): the indices are 0 .. num_tokens - 1, and the int 0 keeps every row
+            # as a slice, without the gather kernel of an index tensor
+            logits_to_keep=0 if num_sampled == num_tokens else self.logits_indices[:num_sampled],
         ).logits
 
     # -- torch.compile --------------------------------------------------------------------------------

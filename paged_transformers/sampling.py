@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.argmax import argmax_rows
 from .sequence import Sequence
 
 
@@ -142,7 +143,7 @@ class Sampler:
         if len(sample_rows) == len(params):
             token_ids = self._draw(self._probs(logits, params), seqs)
         else:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
             if sample_rows:
                 index = _to_device(sample_rows, torch.int64, device)
                 probs = self._probs(logits[index], [params[i] for i in sample_rows])
@@ -260,7 +261,14 @@ class Sampler:
                 noise[i].exponential_(generator=seq.generator)
         # an exact 0 (possible in float32) would make 0 / 0 = NaN the argmax on a zero-probability token
         noise.clamp_(min=torch.finfo(torch.float32).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return _argmax(probs / noise)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row argmax ``[num_rows, V] -> [num_rows]`` int64, ``torch.argmax``'s indices (first maximum, NaN largest).
+    On CUDA the two-stage Triton kernel ``argmax_rows``: PyTorch's one-block reduction of a row took 28 us of each
+    batch-1 decode step on an H200 (128,256-entry vocabulary)."""
+    return argmax_rows(x) if x.is_cuda else x.argmax(dim=-1)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from conftest import engine_greedy, random_prompts, stock_greedy
 from paged_transformers import EngineConfig, LLMEngine
-from paged_transformers.compile import decoder_layers
+from paged_transformers.compile import decoder_layers, outer_modules
 
 
 def test_compiled_layers_match_stock_generate(tiny_model):
@@ -21,18 +21,20 @@ def test_compiled_layers_match_stock_generate(tiny_model):
     refs = [stock_greedy(model, p, n)[0] for p, n in zip(prompts, max_tokens)]
     layers = decoder_layers(model)
     assert len(layers) == model.config.num_hidden_layers
+    outer = outer_modules(model)
+    assert outer == [model.model.norm, model.model.rotary_emb]  # module order
 
     torch._dynamo.reset()
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=128, max_num_seqs=4)
     with LLMEngine(model, engine_config=config) as engine:
         assert engine.runner.compile_error is None
-        assert [layer for layer, _ in engine.runner.compiled_layers] == layers
-        assert all("forward" in vars(layer) for layer in layers)
+        assert [module for module, _ in engine.runner.compiled_layers] == layers + outer
+        assert all("forward" in vars(module) for module in layers + outer)
         got = engine_greedy(engine, prompts, max_tokens)
     assert got == refs
     # the layers ran through Dynamo (not silently eager), and are eager again after close
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
-    assert not any("forward" in vars(layer) for layer in layers)
+    assert not any("forward" in vars(module) for module in layers + outer)
     assert model.config._attn_implementation != "paged_transformers"
 
 
