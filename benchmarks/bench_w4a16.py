@@ -412,18 +412,34 @@ def sass_report() -> list[dict]:
     cuobjdump = triton.knobs.nvidia.cuobjdump.path if hasattr(triton, "knobs") else "cuobjdump"
     base = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
             "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
-    variants = [(f"dot 16x{bn}x128", k._w4a16_kernel, dict(BITS=4, ALGO=1), 16, bn) for bn in (64, 128)]
-    variants += [("dot_swap 16x64x128", k._w4a16_kernel, dict(BITS=4, ALGO=2), 16, 64)]
+    variants = [(f"dot 16x{bn}x128", k._w4a16_kernel, dict(BITS=4, ALGO=1), 16, bn, 4) for bn in (64, 128)]
+    variants += [("dot_swap 16x64x128", k._w4a16_kernel, dict(BITS=4, ALGO=2), 16, 64, 4)]
     for asm, perm, bm, bn in ((True, True, 16, 64), (True, True, 16, 128), (True, True, 8, 128), (False, True, 16, 128),
                               (True, False, 16, 128), (False, False, 16, 128)):
         name = f"{'tc_asm' if asm else 'tc'} {bm}x{bn}x128{' perm' if perm else ''}"
-        variants.append((name, k._tc_kernel, dict(USE_ASM=asm, PERMUTE_K=perm, EVEN_K=True), bm, bn))
+        variants.append((name, k._tc_kernel, dict(USE_ASM=asm, PERMUTE_K=perm, EVEN_K=True, PREFETCH=False, X_INDEX=False,
+                                                    PRESCALE=False), bm, bn, 4))
+    # issue 7 (hM): the latency-hiding options (prefetch = PREFETCH, xi = X_INDEX, pre = PRESCALE), small and large M
+    for bm, bn, warps, opts in ((16, 64, 4, "pf"), (16, 64, 4, "xi"), (16, 64, 4, "pre"), (16, 64, 4, "xi pre"),
+                                (16, 64, 4, "pf pre"), (64, 128, 8, ""), (64, 128, 8, "xi pre"), (128, 128, 8, ""),
+                                (128, 128, 8, "xi pre")):
+        flags = dict(PREFETCH="pf" in opts, X_INDEX="xi" in opts, PRESCALE="pre" in opts)
+        variants.append((f"tc_asm {bm}x{bn}x128 w{warps} perm {opts}".strip(), k._tc_kernel,
+                         dict(USE_ASM=True, PERMUTE_K=True, EVEN_K=True, **flags), bm, bn, warps))
+    # the launch specializes 16-divisible pointers and ints ("tt.divisibility"): without it Triton cannot prove x's
+    # 16-byte alignment and leaves x as a plain load (not cp.async) -- the SASS of round 5 was compiled so
+    args = list(base)
+    attrs = {(args.index(a),): [["tt.divisibility", 16]] for a in args if a not in ("M",)}
     rows = []
-    for name, fn, extra, bm, bn in variants:
+    for name, fn, extra, bm, bn, warps in variants:
         cx = dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=4, **extra)
         sig = dict(base, **{n: "constexpr" for n in cx})
-        c = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx),
-                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+        c = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
+        ttgir = c.asm["ttgir"]
+        pendings = [int(v) for v in re.findall(r"warp_group_dot_wait[^\n]*pendings = (\d+)", ttgir)]
+        plain_loads = len(re.findall(r"= tt\.load ", ttgir))
+        async_copies = len(re.findall(r"ttg\.async_copy_global_to_local", ttgir))
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(c.asm["cubin"])
             f.flush()
@@ -436,7 +452,7 @@ def sass_report() -> list[dict]:
                 body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
                 loop = body if len(body) > len(loop) else loop
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
-        per_thread = bn * 128 / 128  # weights a thread unpacks per K step (4 warps)
+        per_thread = bn * 128 / (32 * warps)  # weights a thread unpacks per K step
 
         def n(*prefixes):
             return sum(v for op, v in ops.items() if op.startswith(prefixes))
@@ -444,10 +460,12 @@ def sass_report() -> list[dict]:
         rows.append(dict(variant=name, loop_instr=len(loop), instr_per_weight=len(loop) / per_thread,
                          sts=n("STS"), lds=n("LDS"), ldsm=n("LDSM"), mma=n("HGMMA", "HMMA"), shfl=n("SHFL"),
                          local=n("LDL", "STL"), regs=c.n_regs if hasattr(c, "n_regs") else None,
-                         shared_bytes=c.metadata.shared, top=ops.most_common(8)))
+                         shared_bytes=c.metadata.shared, top=ops.most_common(8), dot_wait_pendings=pendings,
+                         ttgir_plain_loads=plain_loads, ttgir_async_copies=async_copies))
         print(f"{name:28s} loop {len(loop):4d} instr = {len(loop) / per_thread:5.2f}/weight  STS {rows[-1]['sts']:3d} "
               f"LDS {rows[-1]['lds']:3d} LDSM {rows[-1]['ldsm']:2d} MMA {rows[-1]['mma']:2d} SHFL {rows[-1]['shfl']:3d} "
-              f"local {rows[-1]['local']} smem {c.metadata.shared}", flush=True)
+              f"local {rows[-1]['local']} smem {c.metadata.shared} | TTGIR: {plain_loads} tt.load, {async_copies} cp.async, "
+              f"dot wait pendings {pendings}", flush=True)
     return rows
 
 
