@@ -6,6 +6,7 @@ Usage (GPU)::
     python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16_h200_round2.json
     python benchmarks/bench_w4a16.py --variants gemv --out benchmarks/results/w4a16_h200_round4_gemv.json  # M = 1 only
     python benchmarks/bench_w4a16.py --variants tc --out benchmarks/results/w4a16_h200_round5_tc.json  # M = 1, 4, 16
+    python benchmarks/bench_w4a16.py --variants tc2 --out benchmarks/results/w4a16_h200_round6_tc2.json  # M = 1-256
     python benchmarks/bench_w4a16.py --sass  # no GPU: SASS instructions per weight of the M <= 16 kernels (sm_90)
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
@@ -384,6 +385,100 @@ def time_tc_variants(device, report: dict, out_path: str | None) -> list[dict]:
     return rows
 
 
+def tc2_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
+    """``--variants tc2`` candidates (issue 7, hM), all ``TC_ASM`` + ``tc_perm``, pruned from the ``--sass`` TTGIR:
+
+    * M <= 16 (16-row tiles; M = 1 too, against the GEMV default): round 5's default (16x64x128, 4 per SM, 3 stages,
+      4 warps) with each latency option -- ``prefetch``, ``tc_x_index``, ``tc_prescale``, x_index + prescale (the
+      only one whose wgmma stays in flight: pendings = 1), prefetch + prescale -- then x_index + prescale around
+      it: 128 columns, 4 stages, 8 per SM, 2 stages at 2 per SM (9 configs; one Triton compile serves M = 1, 4, 16);
+    * M = 64 and 256 (split-K 1): 64x128 and 128x128 tiles on 8 warps plain and x_index + prescale, 128x128 with
+      4 stages, 64x64 on 4 warps and 64x128 on 4 warps with x_index + prescale (7 configs, one compile for both M).
+      Prefetch is left out here (its register double buffer of a 64-128-row x tile costs registers and STS for
+      what cp.async already stages)."""
+    A = k.W4A16Algo.TC_ASM
+    if M <= 16:
+        out = []
+        for bn, per_sm, stages, warps, opts in ((64, 4, 3, 4, "pf"), (64, 4, 3, 4, "xi"), (64, 4, 3, 4, "pre"),
+                                                (64, 4, 3, 4, "xi pre"), (64, 4, 3, 4, "pf pre"),
+                                                (128, 4, 3, 4, "xi pre"), (64, 4, 4, 4, "xi pre"),
+                                                (64, 8, 3, 4, "xi pre"), (64, 2, 2, 4, "xi pre")):
+            split = k.split_k_for(-(-N // bn), -(-K // 128), sms, per_sm)
+            out.append(k.W4A16Config(16, bn, 128, split, warps, stages, A, prefetch="pf" in opts, tc_perm=True,
+                                     tc_x_index="xi" in opts, tc_prescale="pre" in opts))
+        if M > 1:
+            out.insert(0, k.W4A16Config(16, 64, 128, k.split_k_for(-(-N // 64), -(-K // 128), sms, 4), 4, 3, A, tc_perm=True))
+        return out
+    return [k.W4A16Config(bm, bn, 128, 1, warps, stages, A, tc_perm=True, tc_x_index=xp, tc_prescale=xp)
+            for bm, bn, warps, stages, xp in ((64, 128, 8, 3, False), (64, 128, 8, 3, True), (128, 128, 8, 3, False),
+                                              (128, 128, 8, 3, True), (128, 128, 8, 4, True), (64, 64, 4, 4, True),
+                                              (64, 128, 4, 3, True))]
+
+
+def time_tc2_variants(device, report: dict, out_path: str | None, budget_s: float = 150.0) -> list[dict]:
+    """``--variants tc2`` (issue 7, hM): at M = 1, 4, 16, 64, 256 on the three shapes, bf16 matmul, the default config
+    and every ``tc2_candidates`` config, each checked against ``w4a16_matmul_ref`` on the timed layer (and, for the
+    first config of each option set, on ``_tc_extra_checks``' off-grid cases) before it is timed on the graph clock.
+    Configs left when ``budget_s`` seconds have passed are recorded as skipped; ``report["tc2"]`` is written to
+    ``out_path`` after each shape."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = report["tc2"] = []
+    t0 = time.perf_counter()
+    checked = set()
+    for K, N in SHAPES:
+        int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
+        for M in MS:
+            xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
+            bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
+            default = k.default_config(M, N, K, GROUP, device)
+            for cfg in [None] + [c for c in tc2_candidates(M, N, K, sms) if c != default]:
+                used = str(cfg or default)
+                label = "default" if cfg is None else used
+                if cfg is not None and time.perf_counter() - t0 > budget_s:
+                    rows.append(dict(K=K, N=N, M=M, config=label, used=used, skipped=f"time budget {budget_s:.0f} s"))
+                    continue
+                try:
+                    out = k.w4a16_matmul(xs[0], *qsets[0], 4, GROUP, config=cfg)
+                    err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP))
+                    opts = None if cfg is None else (cfg.block_m, cfg.prefetch, cfg.tc_x_index, cfg.tc_prescale)
+                    if opts is not None and opts not in checked:
+                        checked.add(opts)
+                        err = max([err] + _tc_extra_checks(cfg, M, device))
+                    if not err < 1e-2:
+                        raise AssertionError(f"rel_err {err:.3g}")
+                    g_us = graph_time_ms(lambda i, cfg=cfg: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)) * 1e3
+                except Exception as e:  # noqa: BLE001 (record and go on: one call of device time)
+                    rows.append(dict(K=K, N=N, M=M, config=label, used=used, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    print("  config failed", label, rows[-1]["error"], flush=True)
+                    continue
+                rows.append(dict(K=K, N=N, M=M, config=label, used=used, graph_us=g_us, bf16_graph_us=bf16_us,
+                                 speedup=bf16_us / g_us, rel_err=err, int4_tb_s=int4_bytes / g_us / 1e6))
+                print(f"  K={K:5d} N={N:5d} M={M:3d} {used[:52]:52s} {g_us:7.1f} us  x{bf16_us / g_us:4.2f}  "
+                      f"{int4_bytes / g_us / 1e6:4.2f} TB/s  err {err:.1e}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=1)
+    ws, locks = k._WORKSPACE._buffers[device]
+    rows.append(dict(case="split-K workspace left zeroed", ok=bool((ws == 0).all() and (locks == 0).all())))
+    return rows
+
+
+def print_tc2_table(rows: list[dict]) -> None:
+    """One line per (shape, M): the default's and the best config's us, bf16's, both ratios and the target."""
+    print("K x N        M  default us  best us  best config                                        bf16 us  x(def) x(best) target")
+    for K, N in SHAPES:
+        for M in MS:
+            rs = [r for r in rows if r.get("K") == K and r.get("N") == N and r.get("M") == M and "graph_us" in r]
+            if not rs:
+                continue
+            d = next((r for r in rs if r["config"] == "default"), None)
+            b = min(rs, key=lambda r: r["graph_us"])
+            target = TARGET_SMALL_M[(K, N)] if M <= 16 else 0.8
+            dus, dx = (f"{d['graph_us']:10.1f}", f"{d['speedup']:6.2f}") if d else (f"{'failed':>10s}", f"{'-':>6s}")
+            print(f"{K:5d}x{N:<5d} {M:4d} {dus} {b['graph_us']:8.1f}  {b['used'][:50]:50s} {b['bf16_graph_us']:8.1f} {dx} "
+                  f"{b['speedup']:7.2f}  {target}")
+
+
 def _tc_extra_checks(cfg: k.W4A16Config, M: int, device) -> list[float]:
     """Relative errors of ``cfg`` off the timed grid: per-channel K = 4104 (K % BLOCK_K != 0) with N = 1000
     (N % BLOCK_N != 0) and a bias, fp16 x, and M = 2 * BLOCK_M + 3 (several M tiles)."""
@@ -515,9 +610,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
     parser.add_argument("--no-e2e", action="store_true")
-    parser.add_argument("--variants", choices=["gemv", "tc"], default=None,
+    parser.add_argument("--variants", choices=["gemv", "tc", "tc2"], default=None,
                         help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
-                             "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16")
+                             "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: the TC_ASM "
+                             "latency options (prefetch, tc_x_index, tc_prescale) at M = 1-16 and large tiles at M = 64, 256 "
+                             "vs the default (about 3 minutes)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
     args = parser.parse_args()
@@ -545,6 +642,17 @@ def main() -> None:
                      "python": platform.python_version(), "cuda": torch.version.cuda},
     }
     t0 = t_start = time.perf_counter()
+    if args.variants == "tc2":
+        report["command"] = "python benchmarks/bench_w4a16.py --variants tc2"
+        report["kernel_round"] = 6
+        rows = time_tc2_variants(device, report, args.out)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; target: x at M <= 16, >= 0.8 at M >= 64")
+        print_tc2_table(rows)
+        print_failed(rows, t_start)
+        return
     if args.variants == "tc":
         report["command"] = "python benchmarks/bench_w4a16.py --variants tc"
         report["kernel_round"] = 5
