@@ -6,9 +6,11 @@ import torch
 from paged_transformers.kernels.argmax import argmax_rows
 
 BLOCK = 16  # a small stage-1 block, so that small rows span several chunks under the interpreter
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: TRITON_INTERPRET=1 (conftest)
 
 
 def _check(x: torch.Tensor) -> None:
+    x = x.to(DEVICE)
     got = argmax_rows(x, block=BLOCK)
     assert got.dtype == torch.int64 and got.shape == (x.shape[0],)
     assert torch.equal(got, x.argmax(dim=-1)), (got, x.argmax(dim=-1))
@@ -44,13 +46,13 @@ def test_infinities_and_nan():
 
 
 def test_row_stride_and_empty():
-    wide = torch.randn(3, BLOCK + 40)
+    wide = torch.randn(3, BLOCK + 40, device=DEVICE)
     _check(wide[:, : BLOCK + 9])  # the first vocab_size columns of padded logits
-    assert argmax_rows(torch.empty(0, 5)).shape == (0,)
+    assert argmax_rows(torch.empty(0, 5, device=DEVICE)).shape == (0,)
 
 
 def test_default_block():
-    x = torch.randn(2, 5000)  # 3 chunks of the default 2048
+    x = torch.randn(2, 5000, device=DEVICE)  # 3 chunks of the default 2048
     x[1, 4500] = x[1, 100] = 9.0
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
