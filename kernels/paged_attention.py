@@ -23,8 +23,8 @@ is the PyTorch reference (and the ``"torch"`` backend). Launch plan of the Trito
                                                grid (num_tokens // BLOCK_Q + num_seqs, num_kv_heads, num_kv_splits)
       (an upper bound of the query tiles; spare tiles and the other launch's sequences exit at once)
     num_kv_splits > 1 (flash-decoding, decode-only batches by default): each program covers
-      1/num_kv_splits of its sequence's KV tiles and writes fp32 partials; the last program of a
-      (query tile, KV head) to finish merges them by log-sum-exp (arrival counters, ``_arrival_counters``).
+      1/num_kv_splits of its sequence's KV tiles and writes fp32 partials; a third kernel merges them
+      by log-sum-exp.
 """
 
 from dataclasses import dataclass
@@ -239,9 +239,8 @@ def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
         one_tile_per_seq = band.max_q_len <= block_q
         # Sequence s owns tiles query_start_loc[s] // block_q + s ...: at most num_tokens // block_q + num_seqs.
         num_q_tiles = num_seqs if one_tile_per_seq else num_tokens // block_q + num_seqs
-        locks = _arrival_counters(query.device, num_q_tiles * num_kv_heads) if split else seq_lens  # unused if not split
         kernels._unified_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
-            out, part_out, part_ml, locks, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            out, part_out, part_ml, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             num_seqs, num_kv_splits, band.min_q_len, band.max_q_len, scale, softcap or 1.0, sliding_window or 0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
@@ -255,25 +254,11 @@ def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
             PREFETCH_BLOCK_IDS=cfg.prefetch_block_ids, FMA_SCORES=cfg.fma_scores,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device int32 arrival counters of the split-KV merge (at least ``n``), all zero between launches.
-
-    NOTE: the kernel sets each counter back to 0, so one buffer serves every layer and step; it only grows,
-    and an outgrown buffer is kept alive because a captured CUDA graph may still point at it. Launches on two
-    streams at once would share the counters: run split-KV attention on one stream per device.
-    """
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    return buf
+    if split:
+        kernels._merge_splits_kernel[(num_seqs, num_heads)](
+            out, part_out, part_ml, query_start_loc, num_kv_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=next_power_of_2(num_kv_splits), num_warps=4,
+        )
 
 
 def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out) -> None:

@@ -6,8 +6,7 @@ grids. Algorithm: FlashAttention-2's online softmax (Dao, 2023; the Triton tutor
 ``06-fused-attention.py``) over KV tiles gathered through the block table, as in vLLM's
 ``triton_unified_attention`` (query tiles of one sequence, all query heads of one KV head
 together); the split-KV path is flash-decoding (Dao et al., 2023): each split keeps its own
-running max and sum, and the last split of a tile to finish rescales and adds them (``_merge_splits``: the
-"last block" reduction of CUDA's threadFenceReduction sample, so no third kernel is launched).
+running max and sum, and ``_merge_splits_kernel`` rescales and adds them.
 
 Tile of one program (GQA: ``G = num_heads // num_kv_heads`` query heads share a KV head)::
 
@@ -173,7 +172,6 @@ def _unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (SPLIT == False)
     part_out_ptr,  # [num_tokens, num_heads, num_splits, D_PAD] fp32, unnormalized (SPLIT == True)
     part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] fp32: running max (log2 units), sum
-    lock_ptr,  # int32 [>= num_q_tiles * num_kv_heads] arrival counters, zero between calls (SPLIT == True)
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
@@ -195,9 +193,8 @@ def _unified_attention_kernel(
 ):
     """One (query tile, KV head, KV split) per program; grid ``(num_q_tiles, num_kv_heads, num_splits)``.
 
-    ``num_splits`` is a runtime int (a new split count must not recompile); ``SPLIT`` = num_splits > 1: each
-    program stores its fp32 partials, then counts itself in at ``lock_ptr[q_tile, kv_head]``; the program that
-    arrives last merges the tile's splits into ``out`` and sets the counter back to 0. Only sequences with ``min_q_len <= q_len <= max_q_len`` are computed (the wrapper gives decode-sized
+    ``num_splits`` is a runtime int (a new split count must not recompile); ``SPLIT`` = num_splits > 1.
+    Only sequences with ``min_q_len <= q_len <= max_q_len`` are computed (the wrapper gives decode-sized
     and prefill-sized sequences of one batch to two launches with different tile shapes).
     """
     tl.static_assert(BLOCK_Q * NUM_QUERIES_PER_KV <= BLOCK_M)
@@ -279,13 +276,6 @@ def _unified_attention_kernel(
         tl.store(part_out_ptr + part_row[:, None] * D_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
         tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_valid)
         tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_valid)
-        # every thread's stores are in (barrier) before the counter's acq_rel add says this split has arrived
-        tl.debug_barrier()
-        lock = lock_ptr + q_tile_id * tl.num_programs(1) + kv_head
-        if tl.atomic_add(lock, 1) == num_splits - 1:
-            _merge_splits(out_ptr, part_out_ptr, part_ml_ptr, num_splits, tl.num_programs(1), q_start, q_len, q_block,
-                          kv_head, stride_ot, stride_oh, G, BLOCK_Q, HEAD_DIM, D_PAD, 16)
-            tl.atomic_xchg(lock, 0)
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only masked rows have no visible key
         out = acc / l_i[:, None]
@@ -294,40 +284,39 @@ def _unified_attention_kernel(
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_out_ptr, part_ml_ptr, num_splits, num_kv_heads, q_start, q_len, q_block, kv_head,
-                  stride_ot, stride_oh, G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  D_PAD: tl.constexpr, S_CHUNK: tl.constexpr):
-    """Log-sum-exp merge of the splits of a tile's rows into ``out``, one (query row, head) at a time, its splits
-    ``S_CHUNK`` at once: ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s`` (a
-    running max over the chunks). A split that saw no key has ``m_s = -inf, l_s = 0, acc_s = 0`` and weight 0.
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, D_PAD] fp32
+    part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] fp32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,  # SPLITS_PAD >= num_splits
+):
+    """Log-sum-exp merge of the splits of one (sequence, head)'s query rows; grid ``(num_seqs, num_heads)``.
 
-    The rows are unrolled (``static_range``) so that their loads are in flight together; the partials of the
-    other programs are read from L2 (``.cg``: their stores are not in this multiprocessor's L1)."""
-    offs_s = tl.arange(0, S_CHUNK)
+    ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``; a split that saw
+    no key has ``m_s = -inf, l_s = 0, acc_s = 0`` and weight 0. Rows outside every sequence (padding of
+    a fixed-capacity buffer) are not touched.
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    for r in tl.static_range(BLOCK_Q * G):
-        q_idx = q_block * BLOCK_Q + r // G
-        if q_idx < q_len:
-            head = kv_head * G + r % G
-            token = (q_start + q_idx).to(tl.int64)
-            base = (token * (G * num_kv_heads) + head) * num_splits
-            m_tot = float("-inf")
-            l_tot = 0.0
-            acc = tl.zeros([D_PAD], dtype=tl.float32)
-            for c in range(0, num_splits, S_CHUNK):
-                split = c + offs_s
-                s_mask = split < num_splits
-                m = tl.load(part_ml_ptr + (base + split) * 2, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-                l = tl.load(part_ml_ptr + (base + split) * 2 + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-                a = tl.load(part_out_ptr + (base + split)[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None],
-                            other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m_tot, tl.max(m, 0))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: every weight 0
-                w = tl.math.exp2(m - m_ref)  # [S_CHUNK]
-                rescale = tl.math.exp2(m_tot - m_ref)
-                acc = acc * rescale + tl.sum(a * w[:, None], 0)
-                l_tot = l_tot * rescale + tl.sum(w * l, 0)
-                m_tot = m_new
-            l_tot = tl.where(l_tot == 0.0, 1.0, l_tot)
-            tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, (acc / l_tot).to(out_ptr.dtype.element_ty),
-                     mask=offs_d < HEAD_DIM)
+    s_mask = offs_s < num_splits
+    for r in range(q_len):
+        token = (q_start + r).to(tl.int64)
+        base = (token * tl.num_programs(1) + head) * num_splits
+        m = tl.load(part_ml_ptr + (base + offs_s) * 2, mask=s_mask, other=float("-inf"))
+        l = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1, mask=s_mask, other=0.0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.math.exp2(m - m_max)  # [SPLITS_PAD]
+        denom = tl.sum(w * l, 0)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        acc = tl.load(part_out_ptr + (base + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None],
+                      other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / denom
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
