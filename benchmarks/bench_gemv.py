@@ -24,7 +24,7 @@ import torch
 
 from bench_w4a16 import graph_time_ms  # the same CUDA-graph clock (this folder is on sys.path when run as a script)
 
-from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, GemvConfig, gemv, gemv_ref
+from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, WIDE_GEMV_CONFIG, GemvConfig, gemv, gemv_ref
 
 # (name, N, K, launches per decode token of the 32-layer model)
 SHAPES = [("q|k|v", 6144, 4096, 32), ("o", 4096, 4096, 32), ("gate|up", 28672, 4096, 32), ("down", 4096, 14336, 32),
@@ -71,7 +71,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(dev),
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version(), "cuda": torch.version.cuda},
-              "default": str(DEFAULT_GEMV_CONFIG), "rows": []}
+              "default": f"{DEFAULT_GEMV_CONFIG}; {WIDE_GEMV_CONFIG} from N = 16384", "rows": []}
     for name, N, K, per_token in SHAPES:
         nbytes = N * K * 2
         sets = max(1, math.ceil(4 * 50e6 / nbytes))

@@ -50,9 +50,21 @@ class GemvConfig:
 
 
 DEFAULT_GEMV_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4)
-"""The configuration ``gemv`` uses when none is given. In the H200 sweep of ``benchmarks/bench_gemv.py`` (13
-configs, Llama-3-8B projections; BENCHMARKS.md) it was the fastest on q|k|v and within 0.1-1.3 us of the best
+"""The configuration of ``default_gemv_config`` below 16,384 rows. In the H200 sweep of ``benchmarks/bench_gemv.py``
+(13 configs, Llama-3-8B projections; BENCHMARKS.md) it was the fastest on q|k|v and within 0.1-1.3 us of the best
 config of each other shape; configs with 64 weights per thread per step were up to 1.7x slower."""
+
+WIDE_GEMV_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4)
+"""The configuration of ``default_gemv_config`` from 16,384 rows on: in both H200 sweeps (fourth and sixth sessions,
+BENCHMARKS.md) it beat ``DEFAULT_GEMV_CONFIG`` on gate|up (28672 x 4096: 55.3 vs 56.6 us, 55.2 vs 55.6 us) and on the
+LM head (128256 x 4096: 237.1 vs 241.7 us, 236.6 vs 242.7 us), and lost on every smaller projection."""
+
+
+def default_gemv_config(N: int, K: int) -> GemvConfig:
+    """The ``GemvConfig`` ``gemv`` uses for a weight ``[N, K]`` when none is given: ``WIDE_GEMV_CONFIG`` for
+    ``N >= 16384`` (many programs: smaller, longer ones), ``DEFAULT_GEMV_CONFIG`` otherwise. ``K`` is not used
+    (the sweeps had K = 4096 and 14336 only)."""
+    return WIDE_GEMV_CONFIG if N >= 16384 else DEFAULT_GEMV_CONFIG
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,7 +85,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x: ``[1, K]``, fp16 or bf16 on CUDA (also fp32 under the interpreter), unit stride along K.
         weight: ``[N, K]``, ``x``'s dtype and device, unit stride along K (any row stride).
         bias: optional contiguous ``[N]`` of any float dtype on ``x``'s device (added in fp32).
-        config: a ``GemvConfig``; default ``DEFAULT_GEMV_CONFIG``. Its sizes are not checked against the
+        config: a ``GemvConfig``; default ``default_gemv_config(N, K)``. Its sizes are not checked against the
             device's limits: a ``block_k`` of hundreds of thousands fails inside Triton.
 
     Returns:
@@ -100,7 +112,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"bias must be a contiguous float [{N}], got {bias.dtype} {tuple(bias.shape)}")
     if config is not None and not isinstance(config, GemvConfig):
         raise ValueError(f"config must be a GemvConfig, got {type(config).__name__}")
-    cfg = config or DEFAULT_GEMV_CONFIG
+    cfg = config or default_gemv_config(N, K)
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     if N == 0 or K == 0:
         return out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand(1, N))

@@ -40,16 +40,23 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def outer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's rotary embeddings and RMSNorms that run outside its decoder layers (by transformers' class names,
-    ``*RotaryEmbedding`` / ``*RMSNorm``: Llama's ``model.rotary_emb`` and final ``model.norm``), in module order.
+    """The modules outside the decoder layers that are compiled with them: the rotary embeddings and RMSNorms (by
+    transformers' class names, ``*RotaryEmbedding`` / ``*RMSNorm``: Llama's ``model.rotary_emb`` and final
+    ``model.norm``), in module order, then the LM head when it is a plain ``nn.Linear``.
 
-    NOTE: eager, they are a dozen small kernels per step (the rotary cos/sin: a matmul, cos, sin, cat, scaling and
-    casts; the norm: mean, rsqrt, multiplies and casts), about 20 us of each batch-1 decode step on an H200;
-    compiled, one fused kernel each.
+    NOTE: eager, the first two are a dozen small kernels per step (the rotary cos/sin: a matmul, cos, sin, cat,
+    scaling and casts; the norm: mean, rsqrt, multiplies and casts), about 20 us of each batch-1 decode step on an
+    H200; compiled, one fused kernel each. The compiled LM head's matmul is routed like the layers' projections
+    (``decode_linear``): the Triton GEMV at one token (H200, 128256 x 4096: 237 vs 247 us for cuBLAS in
+    ``bench_gemv.py``), cuBLAS otherwise.
     """
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
-    return [m for m in model.modules()
-            if id(m) not in inside and type(m).__name__.endswith(("RotaryEmbedding", "RMSNorm"))]
+    outer = [m for m in model.modules()
+             if id(m) not in inside and type(m).__name__.endswith(("RotaryEmbedding", "RMSNorm"))]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is torch.nn.Linear:
+        outer.append(head)
+    return outer
 
 
 def compile_layers(model: torch.nn.Module, options: dict | None = None) -> list[tuple[torch.nn.Module, object]]:

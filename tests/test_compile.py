@@ -22,7 +22,7 @@ def test_compiled_layers_match_stock_generate(tiny_model):
     layers = decoder_layers(model)
     assert len(layers) == model.config.num_hidden_layers
     outer = outer_modules(model)
-    assert outer == [model.model.norm, model.model.rotary_emb]  # module order
+    assert outer == [model.model.norm, model.model.rotary_emb, model.lm_head]
 
     torch._dynamo.reset()
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=128, max_num_seqs=4)

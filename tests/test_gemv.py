@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from paged_transformers import decode_linear  # noqa: E402
-from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, GemvConfig, gemv, gemv_ref  # noqa: E402
+from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, WIDE_GEMV_CONFIG, GemvConfig, gemv, gemv_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP32 = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16  # fp32 runs only under the interpreter
@@ -34,6 +34,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
         (16, 128, torch.float16, GemvConfig(4, 64, 2), False),
         (40, 96, torch.bfloat16, GemvConfig(8, 64), True),
         (5, 64, torch.bfloat16, None, False),  # the default config: one program, rows clamped to N - 1
+        (6, 1500, torch.bfloat16, WIDE_GEMV_CONFIG, True),  # the wide-N default: 4 rows, K = 1500 in 1024-steps
     ],
 )
 def test_matches_reference(N, K, dtype, config, bias):
@@ -43,6 +44,14 @@ def test_matches_reference(N, K, dtype, config, bias):
     weight = torch.randn(N, K + 24, generator=g).to(dtype).to(DEVICE)[:, :K]
     b = torch.randn(N, generator=g).to(DEVICE) if bias else None  # fp32 bias with half x: added in fp32
     _close(gemv(x, weight, b, config), gemv_ref(x, weight, b))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="N >= 16384 (the wide default) is too slow for the interpreter")
+def test_wide_default_matches_reference_cuda():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 512, generator=g).to(DEVICE, torch.bfloat16)
+    weight = torch.randn(16384 + 3, 512, generator=g).to(DEVICE, torch.bfloat16)
+    _close(gemv(x, weight), gemv_ref(x, weight))
 
 
 def test_every_row_and_column_counts():
