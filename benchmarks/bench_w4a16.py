@@ -6,8 +6,8 @@ Usage (GPU)::
     python benchmarks/bench_w4a16.py --out benchmarks/results/w4a16_h200_round2.json
     python benchmarks/bench_w4a16.py --variants gemv --out benchmarks/results/w4a16_h200_round4_gemv.json  # M = 1 only
     python benchmarks/bench_w4a16.py --variants tc --out benchmarks/results/w4a16_h200_round5_tc.json  # M = 1, 4, 16
-    python benchmarks/bench_w4a16.py --variants tc2 --out benchmarks/results/w4a16_h200_round6_tc2.json  # M = 1-256
-    python benchmarks/bench_w4a16.py --sass  # no GPU: SASS instructions per weight of the M <= 16 kernels (sm_90)
+    python benchmarks/bench_w4a16.py --variants tc2 --out benchmarks/results/w4a16_h200_round7_tc2.json  # M = 4-256
+    python benchmarks/bench_w4a16.py --sass  # no GPU: SASS instructions per weight of the DOT / TC kernels (sm_90)
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
    as ``||out - ref|| / ||ref||`` on fresh random data, for the Llama-3-8B layer shapes at every M and
@@ -385,49 +385,56 @@ def time_tc_variants(device, report: dict, out_path: str | None) -> list[dict]:
     return rows
 
 
-def tc2_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
-    """``--variants tc2`` candidates (issue 7, hM), all ``TC_ASM`` + ``tc_perm``, pruned from the ``--sass`` TTGIR:
+TC2_MS = [4, 16, 32, 64, 256]  # --variants tc2: M = 1 is the GEMV's (every TC config lost to it in round 6)
 
-    * M <= 16 (16-row tiles; M = 1 too, against the GEMV default): round 5's default (16x64x128, 4 per SM, 3 stages,
-      4 warps) with each latency option -- ``prefetch``, ``tc_x_index``, ``tc_prescale``, x_index + prescale (the
-      only one whose wgmma stays in flight: pendings = 1), prefetch + prescale -- then x_index + prescale around
-      it: 128 columns, 4 stages, 8 per SM, 2 stages at 2 per SM (9 configs; one Triton compile serves M = 1, 4, 16);
-    * M = 64 and 256 (split-K 1): 64x128 and 128x128 tiles on 8 warps plain and x_index + prescale, 128x128 with
-      4 stages, 64x64 on 4 warps and 64x128 on 4 warps with x_index + prescale (7 configs, one compile for both M).
-      Prefetch is left out here (its register double buffer of a 64-128-row x tile costs registers and STS for
-      what cp.async already stages)."""
+
+def tc2_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
+    """``--variants tc2`` candidates (issue 7, round 7), all ``TC_ASM`` + ``tc_perm`` unless said otherwise. Round 6's
+    latency options (``prefetch``, ``tc_x_index``, ``tc_prescale``) lost everywhere and were removed
+    (``_tc_kernel_fn``'s NOTE); what is left:
+
+    * M = 4, 16: round 5's default (16x64x128, 4 per SM, 3 stages, 4 warps) against 128 columns, 4 stages, 8 per
+      SM, and 2 per SM with 2 stages (the tile / stage / split choices round 6 timed only with the options on);
+    * M = 32 (the wide 17-64 rule is an extrapolation from M = 64): DEQUANT_MATMUL 128x128 and TC_ASM 64x128x128
+      split 1 on 8 warps, whichever is not the default;
+    * M = 64, 256: DEQUANT_MATMUL and TC_ASM 64x128x128 on 8 warps, 3 stages, split 1, plus 128x128x128 at M = 256
+      (at M = 64 it lost to 64x128 on every shape in round 6: half its rows are padding). 64x128 won only on the wide
+      shape at M = 64, where it has 112 programs; square and tall have 32. The next experiment: the same tiles with
+      split-K so that the grid has >= 1 and >= 2 programs per SM (>= 132 and >= 264 on the H200: splits 5 and 9 for
+      the 32 tiles of square and tall at M = 64, 2 and 3 for wide at M = 64), wherever that split is > 1."""
     A = k.W4A16Algo.TC_ASM
+    k_iters = -(-K // 128)
     if M <= 16:
         out = []
-        for bn, per_sm, stages, warps, opts in ((64, 4, 3, 4, "pf"), (64, 4, 3, 4, "xi"), (64, 4, 3, 4, "pre"),
-                                                (64, 4, 3, 4, "xi pre"), (64, 4, 3, 4, "pf pre"),
-                                                (128, 4, 3, 4, "xi pre"), (64, 4, 4, 4, "xi pre"),
-                                                (64, 8, 3, 4, "xi pre"), (64, 2, 2, 4, "xi pre")):
-            split = k.split_k_for(-(-N // bn), -(-K // 128), sms, per_sm)
-            out.append(k.W4A16Config(16, bn, 128, split, warps, stages, A, prefetch="pf" in opts, tc_perm=True,
-                                     tc_x_index="xi" in opts, tc_prescale="pre" in opts))
-        if M > 1:
-            out.insert(0, k.W4A16Config(16, 64, 128, k.split_k_for(-(-N // 64), -(-K // 128), sms, 4), 4, 3, A, tc_perm=True))
+        for bn, per_sm, stages in ((64, 4, 3), (128, 4, 3), (64, 4, 4), (64, 8, 3), (64, 2, 2)):
+            split = k.split_k_for(-(-N // bn), k_iters, sms, per_sm)
+            out.append(k.W4A16Config(16, bn, 128, split, 4, stages, A, tc_perm=True))
         return out
-    return [k.W4A16Config(bm, bn, 128, 1, warps, stages, A, tc_perm=True, tc_x_index=xp, tc_prescale=xp)
-            for bm, bn, warps, stages, xp in ((64, 128, 8, 3, False), (64, 128, 8, 3, True), (128, 128, 8, 3, False),
-                                              (128, 128, 8, 3, True), (128, 128, 8, 4, True), (64, 64, 4, 4, True),
-                                              (64, 128, 4, 3, True))]
+    out = [k.W4A16Config(128, 128, 128, 1, 4, 3, k.W4A16Algo.DEQUANT_MATMUL)]
+    tiles = (64, 128) if M > 64 else (64,)
+    out += [k.W4A16Config(bm, 128, 128, 1, 8, 3, A, tc_perm=True) for bm in tiles]
+    if M > 32:
+        for bm in tiles:
+            for per_sm in (1, 2):
+                split = k.split_k_for(-(-M // bm) * -(-N // 128), k_iters, sms, per_sm)
+                if split > 1:
+                    out.append(k.W4A16Config(bm, 128, 128, split, 8, 3, A, tc_perm=True))
+    return list(dict.fromkeys(out))
 
 
 def time_tc2_variants(device, report: dict, out_path: str | None, budget_s: float = 150.0) -> list[dict]:
-    """``--variants tc2`` (issue 7, hM): at M = 1, 4, 16, 64, 256 on the three shapes, bf16 matmul, the default config
+    """``--variants tc2`` (issue 7, round 7): at M in ``TC2_MS`` on the three shapes, bf16 matmul, the default config
     and every ``tc2_candidates`` config, each checked against ``w4a16_matmul_ref`` on the timed layer (and, for the
-    first config of each option set, on ``_tc_extra_checks``' off-grid cases) before it is timed on the graph clock.
-    Configs left when ``budget_s`` seconds have passed are recorded as skipped; ``report["tc2"]`` is written to
-    ``out_path`` after each shape."""
+    first config of each (tile, split-K or not), on ``_tc_extra_checks``' off-grid cases) before it is timed on the
+    graph clock. Configs left when ``budget_s`` seconds have passed are recorded as skipped; ``report["tc2"]`` is
+    written to ``out_path`` after each shape."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = report["tc2"] = []
     t0 = time.perf_counter()
     checked = set()
     for K, N in SHAPES:
         int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
-        for M in MS:
+        for M in TC2_MS:
             xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
             bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
             default = k.default_config(M, N, K, GROUP, device)
@@ -440,10 +447,11 @@ def time_tc2_variants(device, report: dict, out_path: str | None, budget_s: floa
                 try:
                     out = k.w4a16_matmul(xs[0], *qsets[0], 4, GROUP, config=cfg)
                     err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP))
-                    opts = None if cfg is None else (cfg.block_m, cfg.prefetch, cfg.tc_x_index, cfg.tc_prescale)
-                    if opts is not None and opts not in checked:
-                        checked.add(opts)
-                        err = max([err] + _tc_extra_checks(cfg, M, device))
+                    c = cfg or default
+                    key = (c.algo, c.block_m, c.block_n, c.split_k > 1)
+                    if c.algo in (k.W4A16Algo.TC, k.W4A16Algo.TC_ASM) and key not in checked:
+                        checked.add(key)
+                        err = max([err] + _tc_extra_checks(c, M, device))
                     if not err < 1e-2:
                         raise AssertionError(f"rel_err {err:.3g}")
                     g_us = graph_time_ms(lambda i, cfg=cfg: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)) * 1e3
@@ -467,7 +475,7 @@ def print_tc2_table(rows: list[dict]) -> None:
     """One line per (shape, M): the default's and the best config's us, bf16's, both ratios and the target."""
     print("K x N        M  default us  best us  best config                                        bf16 us  x(def) x(best) target")
     for K, N in SHAPES:
-        for M in MS:
+        for M in TC2_MS:
             rs = [r for r in rows if r.get("K") == K and r.get("N") == N and r.get("M") == M and "graph_us" in r]
             if not rs:
                 continue
@@ -512,15 +520,11 @@ def sass_report() -> list[dict]:
     for asm, perm, bm, bn in ((True, True, 16, 64), (True, True, 16, 128), (True, True, 8, 128), (False, True, 16, 128),
                               (True, False, 16, 128), (False, False, 16, 128)):
         name = f"{'tc_asm' if asm else 'tc'} {bm}x{bn}x128{' perm' if perm else ''}"
-        variants.append((name, k._tc_kernel, dict(USE_ASM=asm, PERMUTE_K=perm, EVEN_K=True, PREFETCH=False, X_INDEX=False,
-                                                    PRESCALE=False), bm, bn, 4))
-    # issue 7 (hM): the latency-hiding options (prefetch = PREFETCH, xi = X_INDEX, pre = PRESCALE), small and large M
-    for bm, bn, warps, opts in ((16, 64, 4, "pf"), (16, 64, 4, "xi"), (16, 64, 4, "pre"), (16, 64, 4, "xi pre"),
-                                (16, 64, 4, "pf pre"), (64, 128, 8, ""), (64, 128, 8, "xi pre"), (128, 128, 8, ""),
-                                (128, 128, 8, "xi pre")):
-        flags = dict(PREFETCH="pf" in opts, X_INDEX="xi" in opts, PRESCALE="pre" in opts)
-        variants.append((f"tc_asm {bm}x{bn}x128 w{warps} perm {opts}".strip(), k._tc_kernel,
-                         dict(USE_ASM=True, PERMUTE_K=True, EVEN_K=True, **flags), bm, bn, warps))
+        variants.append((name, k._tc_kernel, dict(USE_ASM=asm, PERMUTE_K=perm, EVEN_K=True), bm, bn, 4))
+    # the large-M tiles of --variants tc2 (8 warps)
+    for bm in (64, 128):
+        variants.append((f"tc_asm {bm}x128x128 w8 perm", k._tc_kernel, dict(USE_ASM=True, PERMUTE_K=True, EVEN_K=True),
+                         bm, 128, 8))
     # the launch specializes 16-divisible pointers and ints ("tt.divisibility"): without it Triton cannot prove x's
     # 16-byte alignment and leaves x as a plain load (not cp.async) -- the SASS of round 5 was compiled so
     args = list(base)
@@ -612,9 +616,9 @@ def main() -> None:
     parser.add_argument("--no-e2e", action="store_true")
     parser.add_argument("--variants", choices=["gemv", "tc", "tc2"], default=None,
                         help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
-                             "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: the TC_ASM "
-                             "latency options (prefetch, tc_x_index, tc_prescale) at M = 1-16 and large tiles at M = 64, 256 "
-                             "vs the default (about 3 minutes)")
+                             "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: TC_ASM "
+                             "tile/stage/split choices at M = 4, 16, and 64x128 / 128x128 tiles with and without split-K vs "
+                             "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
     args = parser.parse_args()
@@ -644,7 +648,7 @@ def main() -> None:
     t0 = t_start = time.perf_counter()
     if args.variants == "tc2":
         report["command"] = "python benchmarks/bench_w4a16.py --variants tc2"
-        report["kernel_round"] = 6
+        report["kernel_round"] = 7
         rows = time_tc2_variants(device, report, args.out)
         if args.out:
             with open(args.out, "w") as f:

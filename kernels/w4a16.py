@@ -187,7 +187,8 @@ class W4A16Config:
 
     Raises:
         ValueError: an unknown ``algo``, a non-positive size, a block size or ``num_warps`` that is not a power
-            of two (``tl.arange`` and Triton's warp count need one), or a non-bool flag.
+            of two (``tl.arange`` and Triton's warp count need one), a non-bool flag, or a GEMV option
+            (``prefetch``, ``biased_fma``) / TC option (``tc_perm``) with another algo.
     """
 
     block_m: int
@@ -197,21 +198,13 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 3
     algo: W4A16Algo = W4A16Algo.DOT
-    # GEMV: load K step it+1's packed words before computing step it. TC/TC_ASM: x, scales and zero points of K
-    # step it+1 loaded into registers while step it computes (a register double buffer, _tc_kernel_fn)
-    prefetch: bool = False
+    prefetch: bool = False  # GEMV only: load K step it+1 before computing step it
     fold_exp: bool = True  # GEMV only: _field_biased (exponent per field) instead of _field_magic + x * 2**-E
     # GEMV only: 0 off; 12 or 15: FFMA the biased field 2**(23-E) + q directly (no FADD per weight), the bias
     # removed once per group (``_gemv_step_biased``); the value is the lowest field position T (E in {T, T+4})
     biased_fma: int = 0
     # TC/TC_ASM only: the tile's K order permuted to the MMA fragment's (_tc_kperm_x; block_k % 32 == 0)
     tc_perm: bool = False
-    # TC/TC_ASM only: the tile dequantized fully, w = (q - z) * s rounded once to x's dtype (w4a16_matmul_ref's
-    # rounding), then acc = tl.dot(w, xt, acc): the dot chains into the accumulator (_tc_kernel_fn)
-    tc_prescale: bool = False
-    # TC/TC_ASM only: x read at its column index in the tile's K order, computed once (no permute in registers),
-    # so Triton's pipeliner can cp.async it into shared memory stages like the packed weight (_tc_kernel_fn)
-    tc_x_index: bool = False
 
     def __post_init__(self):
         if not isinstance(self.algo, W4A16Algo):
@@ -227,49 +220,37 @@ class W4A16Config:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"W4A16Config.{name} must be a power of two, got {value!r}")
-        for name in ("prefetch", "fold_exp", "tc_perm", "tc_prescale", "tc_x_index"):
+        for name in ("prefetch", "fold_exp", "tc_perm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"W4A16Config.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.biased_fma) is not int or self.biased_fma not in (0, 12, 15):
             raise ValueError(f"W4A16Config.biased_fma must be 0 (off), 12 or 15, got {self.biased_fma!r}")
         if self.biased_fma and self.algo != W4A16Algo.GEMV:
             raise ValueError(f"W4A16Config.biased_fma={self.biased_fma} is a GEMV option, but algo is {self.algo.value!r}")
-        for name in ("tc_perm", "tc_prescale", "tc_x_index"):
-            if getattr(self, name) and self.algo not in (W4A16Algo.TC, W4A16Algo.TC_ASM):
-                raise ValueError(f"W4A16Config.{name} is a TC/TC_ASM option, but algo is {self.algo.value!r}")
-        if self.prefetch and self.algo not in (W4A16Algo.GEMV, W4A16Algo.TC, W4A16Algo.TC_ASM):
-            raise ValueError(f"W4A16Config.prefetch is a GEMV/TC/TC_ASM option, but algo is {self.algo.value!r}")
+        if self.tc_perm and self.algo not in (W4A16Algo.TC, W4A16Algo.TC_ASM):
+            raise ValueError(f"W4A16Config.tc_perm is a TC/TC_ASM option, but algo is {self.algo.value!r}")
+        if self.prefetch and self.algo != W4A16Algo.GEMV:
+            raise ValueError(f"W4A16Config.prefetch is a GEMV option, but algo is {self.algo.value!r}")
 
     def __str__(self) -> str:
         extra = (f"{' pf' if self.prefetch else ''}{'' if self.fold_exp else ' magic'}"
                  f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}") if self.algo == W4A16Algo.GEMV else (
-                 f"{' perm' if self.tc_perm else ''}{' pf' if self.prefetch else ''}{' xi' if self.tc_x_index else ''}"
-                 f"{' pre' if self.tc_prescale else ''}")
+                 " perm" if self.tc_perm else "")
         return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{extra}")  # fmt: skip
 
 
-def _tc_asm(magic_bits: int, sub: str, mul: str | None = None, split: bool = False) -> str:
+def _tc_asm(magic_bits: int, sub: str) -> str:
     """The inline PTX of ``_tc_unpack_asm``: int32 ``$8`` -> 8 16-bit outputs ``$0..$7`` (fields 0..7), each
     LOP3 pair ``(B + q_2i, B + q_2i+1)`` in the halves of one register; ``sub`` (``sub.bf16x2``/``sub.f16x2``)
-    subtracts ``$9`` (``B + z`` in both halves) from each pair.
-
-    ``mul`` (``mul.rn.bf16x2``/``mul.rn.f16x2``; ``W4A16Config.tc_prescale``): then multiplies the pair ``d = q - z``
-    by ``$10`` (the scale in both halves, rounded to the 16-bit type, ``s_hi``); with ``split`` the scale is
-    ``s_hi + s_lo`` (``$11`` = ``s_lo`` in both halves) and the pair becomes ``fma(d, s_hi, d * s_lo)``, whose
-    only rounding is the fma's (``_tc_unpack_asm`` explains why ``d * s_lo`` is exact)."""
+    subtracts ``$9`` (``B + z`` in both halves) from each pair."""
     pair = magic_bits * 0x10001
-    lines = ["{", ".reg .b32 s, t0, t1, t2, t3;" + (" .reg .b32 u0, u1, u2, u3;" if split else ""), "shr.u32 s, $8, 4;"]
+    lines = ["{", ".reg .b32 s, t0, t1, t2, t3;", "shr.u32 s, $8, 4;"]
     # prmt selector (one hex digit per result byte, 0-3 = bytes of $8, 4-7 = of s): result byte 0 <- byte i of $8
     # (field 2i in its low nibble), byte 2 <- byte i of s = $8 >> 4 (field 2i + 1); bytes 1, 3 are masked off
     lines += [f"prmt.b32 t{i}, $8, s, {(4 + i) << 8 | i:#06x};" for i in range(4)]
     lines += [f"lop3.b32 t{i}, t{i}, 0x000F000F, {pair:#010x}, 0xEA;" for i in range(4)]  # 0xEA: (a & b) | c
     lines += [f"{sub} t{i}, t{i}, $9;" for i in range(4)]
-    if mul and split:
-        lines += [f"{mul} u{i}, t{i}, $11;" for i in range(4)]  # d * s_lo, exact
-        lines += [f"{mul.replace('mul', 'fma')} t{i}, t{i}, $10, u{i};" for i in range(4)]  # d * s_hi + d * s_lo, rounded once
-    elif mul:
-        lines += [f"{mul} t{i}, t{i}, $10;" for i in range(4)]
     lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, t{i};" for i in range(4)]
     return "\n".join(lines + ["}"])
 
@@ -277,10 +258,6 @@ def _tc_asm(magic_bits: int, sub: str, mul: str | None = None, split: bool = Fal
 if triton is not None:
     _TC_ASM_BF16 = tl.constexpr(_tc_asm(0x4300, "sub.bf16x2"))
     _TC_ASM_FP16 = tl.constexpr(_tc_asm(0x6400, "sub.f16x2"))
-    _TC_ASM_BF16_SCALED = tl.constexpr(_tc_asm(0x4300, "sub.bf16x2", "mul.rn.bf16x2"))
-    _TC_ASM_FP16_SCALED = tl.constexpr(_tc_asm(0x6400, "sub.f16x2", "mul.rn.f16x2"))
-    _TC_ASM_BF16_SPLIT = tl.constexpr(_tc_asm(0x4300, "sub.bf16x2", "mul.rn.bf16x2", split=True))
-    _TC_ASM_FP16_SPLIT = tl.constexpr(_tc_asm(0x6400, "sub.f16x2", "mul.rn.f16x2", split=True))
 
 
 if triton is not None:
@@ -850,63 +827,6 @@ if triton is not None:
             f = tl.inline_asm_elementwise(_TC_ASM_FP16, C, [p, zpair], (tl.float16,) * 8, is_pure=True, pack=1)
         return _tc_join8(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], PERMUTE_K)
 
-    @triton.jit
-    def _tc_unpack_asm_scaled(p, zpair, shi, slo, DT: tl.constexpr, SPLIT: tl.constexpr, PERMUTE_K: tl.constexpr = False):
-        """``W4A16Config.tc_prescale`` for ``TC_ASM``: as ``_tc_unpack_asm``, then each pair ``d = q - z`` times the scale
-        in the same inline-PTX block: ``w = d * s`` rounded once to ``DT``, exactly ``w4a16_matmul_ref``'s weight
-        (the fp32 product ``(q - z) * s`` is exact, then cast). One ``mul.rn`` per pair when the scale is a ``DT``
-        value (``SPLIT`` False: ``shi`` = s); otherwise ``s = s_hi + s_lo`` with ``s_hi`` = s rounded to ``DT`` and
-        ``s_lo = DT(s - s_hi)``, and ``w = fma(d, s_hi, d * s_lo)``. For fp16 scales and bf16 x (GPTQ/AWQ checkpoints
-        run in bf16) this is exact: ``s - s_hi`` is a multiple of s's last-bit weight 2**-10 (relative) of magnitude
-        at most half a bf16 step 2**-8, i.e. at most 3 significant bits, so ``s_lo`` is exact and ``d * s_lo``
-        (|d| <= 16, 4 bits) has at most 7 bits: exact in bf16; the fma then rounds ``d * s`` once. fp32 scales keep
-        16 (bf16) / 22 (fp16) bits of s: the product is then rounded from ``d * (s_hi + s_lo)``.
-
-        Args: p int32 ``[R, C]``; zpair, shi, slo int32 ``[R, C]`` (per-row values in both 16-bit halves; ``slo``
-        unused without ``SPLIT``). Returns ``DT [R, 8C]``.
-        """
-        C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r"
-        if SPLIT:
-            if DT == tl.bfloat16:
-                f = tl.inline_asm_elementwise(_TC_ASM_BF16_SPLIT, C, [p, zpair, shi, slo], (tl.bfloat16,) * 8, is_pure=True, pack=1)
-            else:
-                f = tl.inline_asm_elementwise(_TC_ASM_FP16_SPLIT, C, [p, zpair, shi, slo], (tl.float16,) * 8, is_pure=True, pack=1)
-        else:
-            C2: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r"
-            if DT == tl.bfloat16:
-                f = tl.inline_asm_elementwise(_TC_ASM_BF16_SCALED, C2, [p, zpair, shi], (tl.bfloat16,) * 8, is_pure=True, pack=1)
-            else:
-                f = tl.inline_asm_elementwise(_TC_ASM_FP16_SCALED, C2, [p, zpair, shi], (tl.float16,) * 8, is_pure=True, pack=1)
-        return _tc_join8(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], PERMUTE_K)
-
-    @triton.jit
-    def _tc_pair(v, DT: tl.constexpr, BLOCK_N: tl.constexpr, BKP: tl.constexpr, PERMUTE_K: tl.constexpr):
-        """fp32 ``v [BLOCK_N]`` rounded to the 16-bit ``DT``, its bits in both halves of an int32, broadcast to the
-        packed tile's shape (``[BLOCK_N, BKP]``, or ``[BLOCK_N, 4, BKP // 4]`` with ``PERMUTE_K``): an operand of the
-        inline PTX of ``_tc_unpack_asm*``."""
-        b = v.to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        pair = tl.broadcast_to((b | (b << 16))[:, None], (BLOCK_N, BKP))
-        if PERMUTE_K:
-            pair = tl.reshape(pair, (BLOCK_N, 4, BKP // 4))
-        return pair
-
-    @triton.jit
-    def _tc_load_step(x_ptr, s_ptr, z_ptr, it, rows_x, cols_k, offs_n, mask_n, N, K, stride_xm,
-                      GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        """What K step ``it`` needs besides the packed weight (``W4A16Config.prefetch`` loads it a step ahead):
-        ``x [BLOCK_M, BLOCK_K]`` rows ``rows_x`` (in range), columns ``it * BLOCK_K + cols_k`` (0 past K), and the
-        step's group's scales and zero points, fp32 ``[BLOCK_N]`` (0 past N). ``it`` must be a valid step."""
-        k0 = it * BLOCK_K
-        kk = k0 + cols_k
-        if EVEN_K:
-            xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :])
-        else:
-            xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :], mask=kk[None, :] < K, other=0.0)
-        g = k0 // GROUP_SIZE
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
-        return xr, s, z
-
     def _tc_kernel_fn(
         x_ptr,  # [M, K] activations, row stride stride_xm, unit column stride
         qw_ptr,  # int32 [K // 8, N] (4-bit only)
@@ -930,9 +850,6 @@ if triton is not None:
         USE_ASM: tl.constexpr,  # TC_ASM: _tc_unpack_asm; TC: _tc_unpack_bits
         EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
         PERMUTE_K: tl.constexpr,  # W4A16Config.tc_perm: the weight tile's columns in MMA-fragment order (_tc_kperm_x)
-        PREFETCH: tl.constexpr = False,  # W4A16Config.prefetch: x, scales, zeros of step it+1 loaded during step it
-        PRESCALE: tl.constexpr = False,  # W4A16Config.tc_prescale: w = (q - z) * s in DT, acc = tl.dot(w, xt, acc)
-        X_INDEX: tl.constexpr = False,  # W4A16Config.tc_x_index: x read at its tile-order column index, no permute
     ):
         """``W4A16Algo.TC`` / ``TC_ASM``: program ``(tile, pid_k)`` computes ``out^T [BLOCK_N, BLOCK_M]`` of its tile
         over K slice ``pid_k`` as ``W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]`` per K step (swap AB: the
@@ -946,24 +863,19 @@ if triton is not None:
         op per weight) was tried: the row sum of the MMA-layout x tile cost 112 SHFL + 114 FADD per K step on sm_90
         (10.1 SASS instructions per weight in the loop vs 6.6), so it was dropped.
 
-        Latency hiding (issue 7, hM; sm_90 TTGIR/SASS of 16x64x128 ``tc_perm``, 3 stages, compiled with the launch's
-        16-divisibility of pointers and strides, ``bench_w4a16.py --sass``):
-
-        * default: packed weight, x and z are cp.async'd 2 steps ahead by Triton's pipeliner; only s is a plain
-          load, and the wgmma is waited at once (``pendings = 0``: ``s * dot`` needs the product). (Compiled WITHOUT
-          the divisibility hints, as round 5's ``--sass`` did, x and z are plain loads too.)
-        * ``PREFETCH`` (``W4A16Config.prefetch``): x, s, z of step it+1 loaded into registers during step it (a
-          register double buffer, the load index clamped to the last step: no branch; an empty K slice loads step
-          ``it_end - 1``, in range). Their loads are issued before step it's dot, but as plain loads: the pipeliner no
-          longer cp.asyncs x and z, and x goes registers -> shared memory each step (34 STS in the loop).
-        * ``X_INDEX`` (``W4A16Config.tc_x_index``): x read at its tile-order column index (``_tc_kperm_x`` of
-          ``arange(BLOCK_K)``, computed once) and fed to the dot as loaded, so it stays a cp.async stage with no
-          STS; with ``PREFETCH`` it is the register double buffer's index.
-        * ``PRESCALE`` (``W4A16Config.tc_prescale``): the tile is ``w = (q - z) * s`` rounded once to ``DT``
-          (``_tc_unpack_asm_scaled``; TC: the fp32 product, cast), exactly ``w4a16_matmul_ref``'s weight, and
-          ``acc = tl.dot(w, xt, acc)``. With ``X_INDEX`` every operand is a multi-buffered cp.async stage and the
-          wgmma is left in flight (``pendings = 1``) while the next tile unpacks; without it x's single shared buffer
-          forces ``pendings = 0``. Cost: one packed multiply per pair (two with the ``s_hi + s_lo`` split)."""
+        NOTE (issue 7 round 6, commits d6934bd / 8f77939; removed after the H200 sweep ``bench_w4a16.py --variants
+        tc2``, ``benchmarks/results/w4a16_h200_round6_tc2.{json,log}``, torch 2.11, triton 3.6): three latency options
+        around round 5's 16x64x128 ``tc_perm`` default, which takes 9.6 / 21.6 / 20.7 us at M = 16 on 4096x4096 /
+        4096x14336 / 14336x4096. ``prefetch`` (step it+1's x, s, z in registers: plain loads that displaced the
+        pipeliner's cp.async of x and z): 39.3 / 135.4 / 127.3 us, 3-6x slower at every M <= 16. ``tc_x_index`` (x
+        read at its tile-order column index, a cp.async stage): 17.8 / 59.2 / 51.5 us, up to 2.7x slower.
+        ``tc_prescale`` (``w = (q - z) * s`` rounded once in the tile, ``acc = tl.dot(w, xt, acc)``): 9.8 / 22.6 /
+        21.7 us. Both
+        (``xi pre``) 18.1 / 59.9 / 51.9 us, and every larger tile, stage count or split of it slower too; at M = 64 /
+        256 with 64x64 to 128x128 tiles 178-1209 us, 2.5-14x DEQUANT_MATMUL's time. Triton 3.9 (a CPU compile) had
+        left the chained wgmma in flight (``pendings = 1``); triton 3.6 on the H200 waits at once (``pendings = 0`` in
+        every variant, ``w4a16_sass_round6_h200.log``). At M = 1 every TC variant (9.7-29 / 22.8-101 / 21.7-93 us)
+        lost to the GEMV (7.0 / 13.4 / 13.7 us)."""
         tl.static_assert(BLOCK_K % 8 == 0)
         BKP: tl.constexpr = BLOCK_K // 8
         DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -976,16 +888,6 @@ if triton is not None:
         rows_x = tl.minimum(offs_m, M - 1)
         MAGIC: tl.constexpr = _tc_magic_value(DT)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if PREFETCH or X_INDEX:
-            # x's columns in the tile's K order, as an index computed once (no permute in the loop): [BLOCK_K]
-            if PERMUTE_K:
-                cols_k = tl.reshape(_tc_kperm_x(offs_k[None, :], 1, BLOCK_K), (BLOCK_K,))
-            else:
-                cols_k = offs_k
-            it_last = it_end - 1  # >= it_start unless this K slice is empty; always a valid step (it_end >= 1)
-        if PREFETCH:
-            xn, sn, zn = _tc_load_step(x_ptr, s_ptr, z_ptr, tl.minimum(it_start, it_last), rows_x, cols_k, offs_n,
-                                       mask_n, N, K, stride_xm, GROUP_SIZE, BLOCK_K, EVEN_K)
         for it in range(it_start, it_end):
             k0 = it * BLOCK_K
             kp = k0 // 8 + offs_kp
@@ -993,49 +895,29 @@ if triton is not None:
             p = tl.load(qw_ptr + kp[None, :] * N + offs_n[:, None], mask=(kp[None, :] < K // 8) & mask_n[:, None], other=0)
             if PERMUTE_K:
                 p = tl.reshape(p, (BLOCK_N, 4, BKP // 4))  # word c * T + t -> [c, t]
-            if X_INDEX and not PREFETCH:  # x at its tile-order column index: Triton's pipeliner cp.asyncs it
-                xr, s, z = _tc_load_step(x_ptr, s_ptr, z_ptr, it, rows_x, cols_k, offs_n,
-                                           mask_n, N, K, stride_xm, GROUP_SIZE, BLOCK_K, EVEN_K)
-                xt = tl.trans(xr)
-            elif PREFETCH:
-                # register double buffer: this step's x, s, z were loaded last step; issue step it+1's now (the last
-                # step reloads itself: no branch), so their latency hides behind this step's unpack and dot
-                xr, s, z = xn, sn, zn
-                xn, sn, zn = _tc_load_step(x_ptr, s_ptr, z_ptr, tl.minimum(it + 1, it_last), rows_x, cols_k, offs_n,
-                                           mask_n, N, K, stride_xm, GROUP_SIZE, BLOCK_K, EVEN_K)
-                xt = tl.trans(xr)  # [BLOCK_K, BLOCK_M], already in the tile's K order
-            else:
-                kk = k0 + offs_k
-                if PERMUTE_K:  # x [BLOCK_M, BLOCK_K] loaded in order, its columns permuted in registers (_tc_kperm_x)
-                    if EVEN_K:
-                        xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :])
-                    else:
-                        xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :], mask=kk[None, :] < K, other=0.0)
-                    xt = tl.trans(_tc_kperm_x(xr, BLOCK_M, BLOCK_K))
-                elif EVEN_K:
-                    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :], other=0.0)
+            kk = k0 + offs_k
+            if PERMUTE_K:  # x [BLOCK_M, BLOCK_K] loaded in order, its columns permuted in registers (_tc_kperm_x)
+                if EVEN_K:
+                    xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :])
                 else:
-                    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < K), other=0.0)
-                g = k0 // GROUP_SIZE
-                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-                z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
-            if PRESCALE:
-                if USE_ASM:
-                    SPLIT: tl.constexpr = s_ptr.dtype.element_ty != DT  # the scale is not a DT value: s_hi + s_lo
-                    s_hi = s.to(DT).to(tl.float32)
-                    w = _tc_unpack_asm_scaled(p, _tc_pair(z + MAGIC, DT, BLOCK_N, BKP, PERMUTE_K),
-                                              _tc_pair(s, DT, BLOCK_N, BKP, PERMUTE_K),
-                                              _tc_pair(s - s_hi, DT, BLOCK_N, BKP, PERMUTE_K), DT, SPLIT, PERMUTE_K)
-                else:  # (q - z) exact in DT, times s in fp32 (exact), rounded once to DT
-                    d = _tc_unpack_bits(p, DT, PERMUTE_K) - (z + MAGIC).to(DT)[:, None]
-                    w = (d.to(tl.float32) * s[:, None]).to(DT)
-                acc = tl.dot(w, xt, acc)  # [BLOCK_N, BLOCK_M] fp32, chained: the wgmma may stay in flight
+                    xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :], mask=kk[None, :] < K, other=0.0)
+                xt = tl.trans(_tc_kperm_x(xr, BLOCK_M, BLOCK_K))
+            elif EVEN_K:
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :], other=0.0)
             else:
-                if USE_ASM:
-                    w = _tc_unpack_asm(p, _tc_pair(z + MAGIC, DT, BLOCK_N, BKP, PERMUTE_K), DT, PERMUTE_K)  # q - z, exact
-                else:
-                    w = _tc_unpack_bits(p, DT, PERMUTE_K) - (z + MAGIC).to(DT)[:, None]  # (B + q) - (B + z) = q - z, exact
-                acc += s[:, None] * tl.dot(w, xt)  # [BLOCK_N, BLOCK_M] fp32
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < K), other=0.0)
+            g = k0 // GROUP_SIZE
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+            z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+            if USE_ASM:
+                zb = (z + MAGIC).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                zpair = tl.broadcast_to((zb | (zb << 16))[:, None], (BLOCK_N, BKP))
+                if PERMUTE_K:
+                    zpair = tl.reshape(zpair, (BLOCK_N, 4, BKP // 4))
+                w = _tc_unpack_asm(p, zpair, DT, PERMUTE_K)  # q - z, exact
+            else:
+                w = _tc_unpack_bits(p, DT, PERMUTE_K) - (z + MAGIC).to(DT)[:, None]  # (B + q) - (B + z) = q - z, exact
+            acc += s[:, None] * tl.dot(w, xt)  # [BLOCK_N, BLOCK_M] fp32
         _write_tile(tl.trans(acc), offs_m, offs_n, mask_m, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid, N,
                     stride_om, HAS_BIAS, SPLIT_K)
 
@@ -1137,7 +1019,8 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
                    dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
     """The launch configuration used when none is given, as rules on the shape: the fastest of the H200 sweeps
     of issue 7 (group 128, bf16; M = 1: round 4, ``bench_w4a16.py --variants gemv``; M = 2-16 on CUDA: round 5,
-    ``--variants tc``; otherwise round 1, re-timed in round 3).
+    ``--variants tc``; wide M = 17-64 on CUDA: round 6, ``--variants tc2``; otherwise round 1, re-timed in
+    round 3).
 
     A weight is *square* when neither side is twice the other (4096 x 4096), *wide* when
     ``N >= 2K`` (gate/up projections, 4096 x 14336) and *tall* when ``K >= 2N`` (down projection,
@@ -1160,13 +1043,26 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
               M = 4 (12.8, 0.99x)
     5 - 16    (no TC) DOT_SWAP 16x64x128, 4 per SM:     DOT 16x128x128, 4 per SM: 38.8 (30.3, 0.78x) /
               16.9 us at M = 16 (13.1, 0.78x)           35.6 (32.0, 0.90x)
-    > 16      DEQUANT_MATMUL 128x128 tiles:             the same: 73.5 (31.1) / 77.4 (35.1) at M = 64,
-              20.7 / 25.9 us at M = 64 / 256            86.0 (45.8) / 90.9 (48.9) at M = 256
-              (11.5 / 16.9: 0.55x / 0.66x)              (0.42x-0.54x)
+    17 - 64   (the > 16 rule)                           wide with TC: TC_ASM 64x128x128 ``tc_perm``,
+                                                        split 1, 8 warps, 3 stages (round 6,
+                                                        ``--variants tc2``): 40.0 us at M = 64 (31.1,
+                                                        0.78x; DEQUANT_MATMUL 73.2, 0.42x); tall, and
+                                                        wide without TC: the > 16 rule
+    > 16      DEQUANT_MATMUL 128x128 tiles:             the same (wide: M > 64 or no TC): 73.5 (31.1) /
+              20.7 / 25.9 us at M = 64 / 256            77.4 (35.1) at M = 64, 86.0 (45.8) / 90.9 (48.9)
+              (11.5 / 16.9: 0.55x / 0.66x)              at M = 256 (0.42x-0.54x)
     ========  ========================================  ===============================================
 
     ``M == 1`` with ``group_size % 8 != 0`` (a group that is not whole int32 words, which the GEMV needs) takes
-    the ``M <= 4`` rule. 17 <= M < 64 was not measured (DEQUANT_MATMUL's cuBLAS GEMM is the safe side there).
+    the ``M <= 4`` rule.
+
+    The wide 17 - 64 rule was measured at M = 64 only (``benchmarks/results/w4a16_h200_round6_tc2.json``,
+    2026-11-29, torch 2.11, triton 3.6). For 17 <= M < 64 it is an extrapolation, not a measurement: the TC
+    kernel runs the same 64-row tiles there (one M tile, the same N / 128 programs and the same work per
+    program; rows past M read row M - 1), and DEQUANT_MATMUL's cost, mostly the dequantize pass and the weight
+    read of the GEMM, is about constant in M there too. The same 64x128 config lost everywhere else it ran:
+    square M = 64 41.2 vs DEQUANT_MATMUL 21.0 us, tall M = 64 134.4 vs 78.3 (only N / 128 = 32 programs, no
+    split-K), and at M = 256 150.8 vs 85.3 (wide), 40.7 vs 26.7 (square), 142.8 vs 90.6 (tall).
 
     NOTE: a fused tiled GEMM for M = 16..1024 (one dequantized ``[BLOCK_K, BLOCK_N]`` tile and one wgmma per K
     step, with unpack variants, a swapped variant and split-K; commit b41233e, results
@@ -1190,6 +1086,8 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     if M <= 16 and tc:
         split = split_k_for(-(-N // 64), k_iters, sms, 4)
         return W4A16Config(16, 64, 128, split, 4, 3, W4A16Algo.TC_ASM, tc_perm=True)
+    if 16 < M <= 64 and tc and wide:  # round 6: measured at M = 64 only (docstring)
+        return W4A16Config(64, 128, 128, 1, 8, 3, W4A16Algo.TC_ASM, tc_perm=True)
     if M <= 16:
         bn = 128 if wide or tall else 64
         algo = W4A16Algo.DOT_SWAP if M > 4 and not (wide or tall) else W4A16Algo.DOT
@@ -1340,8 +1238,7 @@ def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Conf
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, M, N, K, x.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_ASM=cfg.algo == W4A16Algo.TC_ASM,
-        EVEN_K=K % cfg.block_k == 0, PERMUTE_K=cfg.tc_perm, PREFETCH=cfg.prefetch, PRESCALE=cfg.tc_prescale, X_INDEX=cfg.tc_x_index,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=K % cfg.block_k == 0, PERMUTE_K=cfg.tc_perm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
