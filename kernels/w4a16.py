@@ -1057,7 +1057,7 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     the ``M <= 4`` rule.
 
     The wide 17 - 64 rule was measured at M = 64 only (``benchmarks/results/w4a16_h200_round6_tc2.json``,
-    2026-11-29, torch 2.11, triton 3.6). For 17 <= M < 64 it is an extrapolation, not a measurement: the TC
+    2026-11-30, torch 2.11, triton 3.6). For 17 <= M < 64 it is an extrapolation, not a measurement: the TC
     kernel runs the same 64-row tiles there (one M tile, the same N / 128 programs and the same work per
     program; rows past M read row M - 1), and DEQUANT_MATMUL's cost, mostly the dequantize pass and the weight
     read of the GEMM, is about constant in M there too. The same 64x128 config lost everywhere else it ran:
