@@ -346,43 +346,8 @@ def tc_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
 
 
 def time_tc_variants(device, report: dict, out_path: str | None) -> list[dict]:
-    """``--variants tc``: at M = 1, 4, 16 on the three shapes, bf16 matmul, the default config and every
-    ``tc_candidates`` config, each checked against ``w4a16_matmul_ref`` (fp32 x and weight) on the timed layer
-    and, once per config, on the off-grid cases of ``_tc_extra_checks``, before it is timed on the graph clock.
-    ``report["tc"]`` (the rows so far) is written to ``out_path`` after each shape, in case the run is cut short."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    rows = report["tc"] = []
-    for K, N in SHAPES:
-        int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
-        for M in (1, 4, 16):
-            xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
-            bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
-            default = k.default_config(M, N, K, GROUP, device)
-            for cfg in [None] + [c for c in tc_candidates(M, N, K, sms) if c != default]:
-                used = str(cfg or default)
-                label = "default" if cfg is None else used
-                try:
-                    out = k.w4a16_matmul(xs[0], *qsets[0], 4, GROUP, config=cfg)
-                    err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP))
-                    if cfg is not None and (K, N) == SHAPES[0]:
-                        err = max([err] + _tc_extra_checks(cfg, M, device))
-                    if not err < 1e-2:
-                        raise AssertionError(f"rel_err {err:.3g}")
-                    g_us = graph_time_ms(lambda i, cfg=cfg: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)) * 1e3
-                except Exception as e:  # noqa: BLE001 (record and go on: one call of device time)
-                    rows.append(dict(K=K, N=N, M=M, config=label, used=used, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                    print("  config failed", label, rows[-1]["error"], flush=True)
-                    continue
-                rows.append(dict(K=K, N=N, M=M, config=label, used=used, graph_us=g_us, bf16_graph_us=bf16_us,
-                                 speedup=bf16_us / g_us, rel_err=err, int4_tb_s=int4_bytes / g_us / 1e6))
-                print(f"  K={K:5d} N={N:5d} M={M:2d} {used[:44]:44s} {g_us:7.1f} us  x{bf16_us / g_us:4.2f}  "
-                      f"{int4_bytes / g_us / 1e6:4.2f} TB/s  err {err:.1e}", flush=True)
-        if out_path:
-            with open(out_path, "w") as f:
-                json.dump(report, f, indent=1)
-    ws, locks = k._WORKSPACE._buffers[device]
-    rows.append(dict(case="split-K workspace left zeroed", ok=bool((ws == 0).all() and (locks == 0).all())))
-    return rows
+    """``--variants tc`` (round 5): ``time_variants`` at M = 1, 4, 16 over ``tc_candidates``, ``report["tc"]``."""
+    return time_variants(device, report, out_path, "tc", (1, 4, 16), tc_candidates)
 
 
 TC2_MS = [4, 16, 32, 64, 256]  # --variants tc2: M = 1 is the GEMV's (every TC config lost to it in round 6)
@@ -423,22 +388,29 @@ def tc2_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
 
 
 def time_tc2_variants(device, report: dict, out_path: str | None, budget_s: float = 150.0) -> list[dict]:
-    """``--variants tc2`` (issue 7, round 7): at M in ``TC2_MS`` on the three shapes, bf16 matmul, the default config
-    and every ``tc2_candidates`` config, each checked against ``w4a16_matmul_ref`` on the timed layer (and, for the
-    first config of each (tile, split-K or not), on ``_tc_extra_checks``' off-grid cases) before it is timed on the
-    graph clock. Configs left when ``budget_s`` seconds have passed are recorded as skipped; ``report["tc2"]`` is
-    written to ``out_path`` after each shape."""
+    """``--variants tc2`` (issue 7, round 7): ``time_variants`` at M in ``TC2_MS`` over ``tc2_candidates``, with a
+    ``budget_s`` time budget, ``report["tc2"]``."""
+    return time_variants(device, report, out_path, "tc2", TC2_MS, tc2_candidates, budget_s)
+
+
+def time_variants(device, report: dict, out_path: str | None, key: str, ms, candidates,
+                  budget_s: float = float("inf")) -> list[dict]:
+    """At each M of ``ms`` on the three shapes: bf16 matmul, the default config and every ``candidates(M, N, K,
+    sms)`` config, each checked against ``w4a16_matmul_ref`` on the timed layer (and, for the first TC config of
+    each (tile, split-K or not), on ``_tc_extra_checks``' off-grid cases) before it is timed on the graph clock.
+    Configs left when ``budget_s`` seconds have passed are recorded as skipped; ``report[key]`` (the rows so far) is
+    written to ``out_path`` after each shape, in case the run is cut short."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    rows = report["tc2"] = []
+    rows = report[key] = []
     t0 = time.perf_counter()
     checked = set()
     for K, N in SHAPES:
         int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
-        for M in TC2_MS:
+        for M in ms:
             xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
             bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
             default = k.default_config(M, N, K, GROUP, device)
-            for cfg in [None] + [c for c in tc2_candidates(M, N, K, sms) if c != default]:
+            for cfg in [None] + [c for c in candidates(M, N, K, sms) if c != default]:
                 used = str(cfg or default)
                 label = "default" if cfg is None else used
                 if cfg is not None and time.perf_counter() - t0 > budget_s:
@@ -646,28 +618,21 @@ def main() -> None:
                      "python": platform.python_version(), "cuda": torch.version.cuda},
     }
     t0 = t_start = time.perf_counter()
-    if args.variants == "tc2":
-        report["command"] = "python benchmarks/bench_w4a16.py --variants tc2"
-        report["kernel_round"] = 7
-        rows = time_tc2_variants(device, report, args.out)
+    if args.variants in ("tc", "tc2"):
+        report["command"] = f"python benchmarks/bench_w4a16.py --variants {args.variants}"
+        report["kernel_round"] = {"tc": 5, "tc2": 7}[args.variants]
+        rows = (time_tc2_variants if args.variants == "tc2" else time_tc_variants)(device, report, args.out)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
-        print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; target: x at M <= 16, >= 0.8 at M >= 64")
-        print_tc2_table(rows)
-        print_failed(rows, t_start)
-        return
-    if args.variants == "tc":
-        report["command"] = "python benchmarks/bench_w4a16.py --variants tc"
-        report["kernel_round"] = 5
-        rows = time_tc_variants(device, report, args.out)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
-        print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
-        for K, N in SHAPES:
-            for M in (1, 4, 16):
-                print_best(rows, K, N, M, top=3, width=40)
+        if args.variants == "tc2":
+            print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; target: x at M <= 16, >= 0.8 at M >= 64")
+            print_tc2_table(rows)
+        else:
+            print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
+            for K, N in SHAPES:
+                for M in (1, 4, 16):
+                    print_best(rows, K, N, M, top=3, width=40)
         print_failed(rows, t_start)
         return
     if args.variants == "gemv":
