@@ -21,14 +21,14 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     Args:
         x: ``[num_rows, V]`` float32, float16 or bfloat16, ``V >= 1``, unit stride along ``V`` (any row
             stride, e.g. the first ``vocab_size`` columns of padded logits).
-        block: entries per stage-1 program, a power of two (``BLOCK`` unless testing).
+        block: entries per stage-1 program, a power of two up to 65536 (``BLOCK`` unless testing).
 
     Returns:
         ``[num_rows]`` int64 on ``x.device``. Nothing is read back to the host.
 
     Raises:
         ValueError: ``x`` not 2-D, with no columns, of another dtype, or not unit-stride along ``V``; ``block`` not
-            a power of two.
+            a power of two in [1, 65536].
         RuntimeError: a CPU tensor without the Triton interpreter (``TRITON_INTERPRET=1``).
     """
     if x.dim() != 2 or x.shape[1] < 1:
@@ -37,8 +37,8 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     if x.stride(1) != 1:
         raise ValueError(f"x must have unit stride along V, got strides {x.stride()}")
-    if not isinstance(block, int) or block < 1 or block & (block - 1):
-        raise ValueError(f"block must be a power of two, got {block!r}")
+    if type(block) is not int or not 1 <= block <= 65536 or block & (block - 1):
+        raise ValueError(f"block must be a power of two in [1, 65536], got {block!r}")
     num_rows, V = x.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
     if num_rows == 0:

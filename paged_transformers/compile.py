@@ -28,6 +28,13 @@ from .decode_linear import DecodeLinearPass
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": DecodeLinearPass(),
                     "combo_kernels": True}
 
+# NOTE: Dynamo keeps at most ``recompile_limit`` (8 by default) compiled versions of one code object, then runs it
+# eagerly, silently. transformers' wrappers (the layers' ``__call__`` / checkpointing wrappers, the rotary embedding's
+# decorator) are one code object for every model class, and each model compiled in a process adds versions of them:
+# with the default, the third model class's layers already ran eagerly (tiny models on CPU, compile_error None).
+# ``compile_layers`` raises the process-wide limit to at least this.
+RECOMPILE_LIMIT = 64
+
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers: the modules that subclass transformers' ``GradientCheckpointingLayer``
@@ -65,7 +72,7 @@ def compile_layers(model: torch.nn.Module, options: dict | None = None) -> list[
     version (lazy: Dynamo traces on the first call). A ``forward`` already set on the instance (accelerate's
     device-map / offload hooks, a user's wrapper) is what gets compiled, and is put back by ``uncompile_layers``.
     ``options``: Inductor options on top of ``INDUCTOR_OPTIONS`` (``fusion.COMPILE_OPTIONS`` when projections are
-    fused).
+    fused). Raises Dynamo's process-wide ``recompile_limit`` to at least ``RECOMPILE_LIMIT`` (its NOTE).
 
     Returns:
         ``(module, previous instance forward or None)`` per module changed, decoder layers first, for
@@ -73,6 +80,8 @@ def compile_layers(model: torch.nn.Module, options: dict | None = None) -> list[
     """
     changed, options = [], {**INDUCTOR_OPTIONS, **(options or {})}
     layers = decoder_layers(model)
+    if layers:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for module in layers + (outer_modules(model) if layers else []):
         changed.append((module, vars(module).get("forward")))
         module.forward = torch.compile(module.forward, dynamic=True, options=options)

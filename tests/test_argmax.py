@@ -45,6 +45,15 @@ def test_infinities_and_nan():
     _check(x)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter flushes bf16 subnormals to zero before comparing")
+def test_subnormal_maxima_cuda():
+    for dtype, small in ((torch.bfloat16, 1e-39), (torch.float16, 1e-7), (torch.float32, 1e-39)):
+        x = torch.zeros(2, 5 * BLOCK, dtype=dtype)
+        x[0, [3, 2 * BLOCK + 1]] = torch.tensor([small, 2 * small], dtype=dtype)  # the larger one in a later chunk
+        x[1, [4, BLOCK]] = torch.tensor([-small, -2 * small], dtype=dtype)  # 0 is the maximum: index 0
+        _check(x)
+
+
 def test_row_stride_and_empty():
     wide = torch.randn(3, BLOCK + 40, device=DEVICE)
     _check(wide[:, : BLOCK + 9])  # the first vocab_size columns of padded logits
@@ -68,7 +77,7 @@ def test_bad_input(bad, match):
         argmax_rows(bad)
 
 
-@pytest.mark.parametrize("block", [0, 24, 2.0])
+@pytest.mark.parametrize("block", [0, 24, 2.0, True, 2**17])
 def test_bad_block(block):
     with pytest.raises(ValueError, match="block"):
         argmax_rows(torch.zeros(2, 3), block=block)

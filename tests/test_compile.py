@@ -80,3 +80,24 @@ def test_interrupt_while_compiling_leaves_the_layers_eager(tiny_model, monkeypat
 def test_compile_layers_validated():
     with pytest.raises(ValueError, match="compile_layers must be a bool or None, got 'yes'"):
         EngineConfig(compile_layers="yes")
+
+
+def test_several_model_classes_stay_compiled(tiny_model):
+    """transformers' wrappers are one code object for every model class; with Dynamo's default recompile limit (8),
+    the layers of the third model class compiled in one process ran eagerly, silently (``compile_error`` None).
+    A hook on the first layer's MLP counts its calls outside Dynamo during generation."""
+    torch._dynamo.reset()
+    config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
+    for arch in ("llama", "qwen2", "mistral", "phi3"):
+        model = tiny_model(arch, seed=0)
+        eager_calls = []
+        hook = decoder_layers(model)[0].mlp.register_forward_pre_hook(
+            lambda module, args: None if torch.compiler.is_compiling() else eager_calls.append(1))
+        try:
+            with LLMEngine(model, engine_config=config) as engine:
+                assert engine.runner.compile_error is None
+                warm_up = len(eager_calls)
+                engine_greedy(engine, [[5, 6, 7]], [3])
+        finally:
+            hook.remove()
+        assert len(eager_calls) == warm_up, f"{arch}: the compiled layers ran eagerly"
