@@ -870,12 +870,11 @@ if triton is not None:
         pipeliner's cp.async of x and z): 39.3 / 135.4 / 127.3 us, 3-6x slower at every M <= 16. ``tc_x_index`` (x
         read at its tile-order column index, a cp.async stage): 17.8 / 59.2 / 51.5 us, up to 2.7x slower.
         ``tc_prescale`` (``w = (q - z) * s`` rounded once in the tile, ``acc = tl.dot(w, xt, acc)``): 9.8 / 22.6 /
-        21.7 us. Both
-        (``xi pre``) 18.1 / 59.9 / 51.9 us, and every larger tile, stage count or split of it slower too; at M = 64 /
-        256 with 64x64 to 128x128 tiles 178-1209 us, 2.5-14x DEQUANT_MATMUL's time. Triton 3.9 (a CPU compile) had
-        left the chained wgmma in flight (``pendings = 1``); triton 3.6 on the H200 waits at once (``pendings = 0`` in
-        every variant, ``w4a16_sass_round6_h200.log``). At M = 1 every TC variant (9.7-29 / 22.8-101 / 21.7-93 us)
-        lost to the GEMV (7.0 / 13.4 / 13.7 us)."""
+        21.7 us. Both of the last two (``xi pre``) 18.1 / 59.9 / 51.9 us, and every larger tile, stage count or
+        split of it slower too; at M = 64 / 256 with 64x64 to 128x128 tiles 178-1209 us, 2.5-14x DEQUANT_MATMUL's
+        time. Triton 3.9 (a CPU compile) had left the chained wgmma in flight (``pendings = 1``); triton 3.6 on the
+        H200 waits at once (``pendings = 0`` in every variant, ``w4a16_sass_round6_h200.log``). At M = 1 every TC
+        variant (9.7-29 / 22.8-101 / 21.7-93 us) lost to the GEMV (7.0 / 13.4 / 13.7 us)."""
         tl.static_assert(BLOCK_K % 8 == 0)
         BKP: tl.constexpr = BLOCK_K // 8
         DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -1047,7 +1046,8 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
                                                         split 1, 8 warps, 3 stages (round 6,
                                                         ``--variants tc2``): 40.0 us at M = 64 (31.1,
                                                         0.78x; DEQUANT_MATMUL 73.2, 0.42x); tall, and
-                                                        wide without TC: the > 16 rule
+                                                        wide without TC: the > 16 rule (square: the
+                                                        > 16 rule)
     > 16      DEQUANT_MATMUL 128x128 tiles:             the same (wide: M > 64 or no TC): 73.5 (31.1) /
               20.7 / 25.9 us at M = 64 / 256            77.4 (35.1) at M = 64, 86.0 (45.8) / 90.9 (48.9)
               (11.5 / 16.9: 0.55x / 0.66x)              at M = 256 (0.42x-0.54x)
