@@ -4,7 +4,8 @@ Usage (GPU)::
 
     python benchmarks/profile_decode.py --out benchmarks/results/profile_decode_h200.json
 
-1. Llama-3-8B shape, random bf16 weights, the engine's defaults (CUDA graphs on), once with the decoder
+1. Llama-3-8B shape, random bf16 weights (``--quantization gptq|awq``: random 4-bit group-128 weights of that
+   format), the engine's defaults (CUDA graphs on), once with the decoder
    layers compiled (``compile_layers``, the default) and once eager (``--compile`` picks). For each batch
    size in ``--batches`` (default 1 and 256): that many requests of ``--context`` prompt tokens are
    prefilled, then ``--steps`` decode steps (CUDA-graph replays) run under ``torch.profiler``; kernels are
@@ -124,7 +125,7 @@ def fusion_check(shape: str = "llama-3-8b", tokens: tuple[int, ...] = (1, 256), 
 
 
 def profile_engine(batches: list[int], context: int, steps: int, compile_layers: bool, fuse: bool | None = None,
-                   decode_gemv: bool = True, combo_kernels: bool = False) -> dict:
+                   decode_gemv: bool = True, combo_kernels: bool = False, quantization: str | None = None) -> dict:
     from paged_transformers import decode_linear
     from paged_transformers.bench import build_model
     from paged_transformers.compile import INDUCTOR_OPTIONS
@@ -132,7 +133,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     from paged_transformers.engine import LLMEngine
     from paged_transformers.sampling_params import SamplingParams
 
-    model = build_model("llama-3-8b", torch.bfloat16, "cuda")
+    model = build_model("llama-3-8b", torch.bfloat16, "cuda", quantization, 4, 128)
     model.generation_config.eos_token_id = None
     t0 = time.perf_counter()
     torch._dynamo.utils.counters.clear()
@@ -243,6 +244,8 @@ def main() -> None:
     ap.add_argument("--check-shapes", nargs="*", default=["llama-3-8b"],
                     help="with --fuse both: one-layer models checked by fusion_check first (e.g. llama-3-8b qwen2.5-7b)")
     ap.add_argument("--gemv", action="store_true", help="also time the cuBLAS projections (part 2)")
+    ap.add_argument("--quantization", choices=["gptq", "awq"], default=None,
+                    help="random 4-bit group-128 weights of that format (build_model) instead of bf16")
     args = ap.parse_args()
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__}
@@ -269,7 +272,8 @@ def main() -> None:
         mode = f"compile_{'on' if m else 'off'}" + (
             f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}"
             + ("" if cb else "_nocombo") if m else "")
-        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, cb)
+        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, cb,
+                                                        args.quantization)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
