@@ -7,6 +7,7 @@ Usage (GPU)::
     python benchmarks/bench_w4a16.py --variants gemv --out benchmarks/results/w4a16_h200_round4_gemv.json  # M = 1 only
     python benchmarks/bench_w4a16.py --variants tc --out benchmarks/results/w4a16_h200_round5_tc.json  # M = 1, 4, 16
     python benchmarks/bench_w4a16.py --variants tc2 --out benchmarks/results/w4a16_h200_round7_tc2.json  # M = 4-256
+    python benchmarks/bench_w4a16.py --variants r7 --out benchmarks/results/w4a16_h200_round7.json  # M = 1, 4, 16
     python benchmarks/bench_w4a16.py --sass  # no GPU: SASS instructions per weight of the DOT / TC kernels (sm_90)
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
@@ -394,17 +395,17 @@ def time_tc2_variants(device, report: dict, out_path: str | None, budget_s: floa
 
 
 def time_variants(device, report: dict, out_path: str | None, key: str, ms, candidates,
-                  budget_s: float = float("inf")) -> list[dict]:
+                  budget_s: float = float("inf"), shapes=SHAPES) -> list[dict]:
     """At each M of ``ms`` on the three shapes: bf16 matmul, the default config and every ``candidates(M, N, K,
     sms)`` config, each checked against ``w4a16_matmul_ref`` on the timed layer (and, for the first TC config of
     each (tile, split-K or not), on ``_tc_extra_checks``' off-grid cases) before it is timed on the graph clock.
     Configs left when ``budget_s`` seconds have passed are recorded as skipped; ``report[key]`` (the rows so far) is
-    written to ``out_path`` after each shape, in case the run is cut short."""
+    written to ``out_path`` after each shape, in case the run is cut short. ``shapes``: ``(K, N)`` pairs."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = report[key] = []
     t0 = time.perf_counter()
     checked = set()
-    for K, N in SHAPES:
+    for K, N in shapes:
         int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
         for M in ms:
             xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
@@ -420,10 +421,12 @@ def time_variants(device, report: dict, out_path: str | None, key: str, ms, cand
                     out = k.w4a16_matmul(xs[0], *qsets[0], 4, GROUP, config=cfg)
                     err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP))
                     c = cfg or default
-                    key = (c.algo, c.block_m, c.block_n, c.split_k > 1)
+                    key = (c.algo, c.block_m, c.block_n, c.split_k > 1, c.scale_ahead)
                     if c.algo in (k.W4A16Algo.TC, k.W4A16Algo.TC_ASM) and key not in checked:
                         checked.add(key)
                         err = max([err] + _tc_extra_checks(c, M, device))
+                    elif c.algo == k.W4A16Algo.GEMV and cfg is not None:
+                        err = max([err] + _gemv_extra_checks(c, device))
                     if not err < 1e-2:
                         raise AssertionError(f"rel_err {err:.3g}")
                     g_us = graph_time_ms(lambda i, cfg=cfg: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)) * 1e3
@@ -443,6 +446,35 @@ def time_variants(device, report: dict, out_path: str | None, key: str, ms, cand
     return rows
 
 
+# the batch-1 projections of the engine's Llama-3-8B layer (fused q|k|v, o, fused gate|up, down) and the issue's wide shape
+E2E_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 14336)]
+
+
+def r7_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
+    """``--variants r7`` candidates (issue 7, round 7, from Nsight Compute on round 6's defaults):
+
+    * M = 1: the GEMV with its K loop pipelined by Triton (``num_stages > 1``: the tiles of later steps copied ahead
+      with cp.async). The default runs ~2 K steps per program, with no copy in flight while it computes, and its
+      prologue and split-K epilogue took 27% of its stall samples (``ncu_gemv_h200_round7.*``); pipelined programs can
+      run longer (1-3 per SM). Shared memory per stage: ``BLOCK_K * BLOCK_N / 2`` bytes.
+    * M = 4, 16: ``scale_ahead`` on the TC default and on 16x128x128: the scales' plain load, waited on right after
+      the wgmma, was the kernel's top stall (14% of samples)."""
+    if M == 1:
+        out = []
+        for bn, bk, w, stages, per_sm in ((1024, 64, 8, 3, 2), (1024, 64, 8, 3, 1), (1024, 64, 8, 2, 2),
+                                          (1024, 32, 8, 4, 2), (1024, 32, 8, 4, 3), (2048, 32, 8, 3, 2),
+                                          (512, 64, 4, 3, 4), (512, 128, 4, 2, 2), (2048, 64, 8, 2, 1)):
+            split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
+            out.append(k.W4A16Config(1, bn, bk, split, w, stages, A.GEMV, biased_fma=15))
+        return out
+    out = []
+    for bn in (64, 128):
+        split = k.split_k_for(-(-N // bn), -(-K // 128), sms, 4)
+        for ahead in (False, True):
+            out.append(k.W4A16Config(16, bn, 128, split, 4, 3, A.TC_ASM, tc_perm=True, scale_ahead=ahead))
+    return out
+
+
 def print_tc2_table(rows: list[dict]) -> None:
     """One line per (shape, M): the default's and the best config's us, bf16's, both ratios and the target."""
     print("K x N        M  default us  best us  best config                                        bf16 us  x(def) x(best) target")
@@ -457,6 +489,19 @@ def print_tc2_table(rows: list[dict]) -> None:
             dus, dx = (f"{d['graph_us']:10.1f}", f"{d['speedup']:6.2f}") if d else (f"{'failed':>10s}", f"{'-':>6s}")
             print(f"{K:5d}x{N:<5d} {M:4d} {dus} {b['graph_us']:8.1f}  {b['used'][:50]:50s} {b['bf16_graph_us']:8.1f} {dx} "
                   f"{b['speedup']:7.2f}  {target}")
+
+
+def _gemv_extra_checks(cfg: k.W4A16Config, device) -> list[float]:
+    """Relative errors of a GEMV ``cfg`` off the timed grid: per-channel K = 4104 with N = 1000 and a bias (masked
+    along K and N), and fp16 x with groups of 32."""
+    errs = []
+    for K, N, G, dtype, bias in ((4104, 1000, 4104, torch.bfloat16, True), (4096, 1000, 32, torch.float16, False)):
+        q = random_layer(K, N, 4, G, device)
+        x = torch.randn(1, K, device=device, dtype=dtype)
+        b = torch.randn(N, device=device, dtype=dtype) if bias else None
+        out = k.w4a16_matmul(x, *q, 4, G, bias=b, config=cfg)
+        errs.append(rel_err(out, k.w4a16_matmul_ref(x.float(), *q, 4, G, bias=None if b is None else b.float())))
+    return errs
 
 
 def _tc_extra_checks(cfg: k.W4A16Config, M: int, device) -> list[float]:
@@ -572,7 +617,7 @@ def print_best(rows: list[dict], K: int, N: int, M: int | None, top: int, width:
     for r in rs[:top] + [r for r in rs[top:] if r["config"] == "default"]:
         m = "" if M is None else f" M={M:2d}"
         print(f"{K:5d}x{N:<5d}{m} {r['config'][:width]:{width}s} {r['graph_us']:7.1f} x{r['speedup']:4.2f} "
-              f"{r['int4_tb_s']:4.2f} TB/s  (bf16 {r['bf16_graph_us']:.1f}, target x{TARGET_SMALL_M[(K, N)]})")
+              f"{r['int4_tb_s']:4.2f} TB/s  (bf16 {r['bf16_graph_us']:.1f}, target x{TARGET_SMALL_M.get((K, N), '-')})")
 
 
 def print_failed(rows: list[dict], t_start: float) -> None:
@@ -586,11 +631,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
     parser.add_argument("--no-e2e", action="store_true")
-    parser.add_argument("--variants", choices=["gemv", "tc", "tc2"], default=None,
+    parser.add_argument("--variants", choices=["gemv", "tc", "tc2", "r7"], default=None,
                         help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
                              "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: TC_ASM "
                              "tile/stage/split choices at M = 4, 16, and 64x128 / 128x128 tiles with and without split-K vs "
-                             "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes)")
+                             "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes); r7: the pipelined GEMV at M = 1 on "
+                             "the engine's projection shapes and scale_ahead at M = 4, 16 (r7_candidates)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
     args = parser.parse_args()
@@ -633,6 +679,23 @@ def main() -> None:
             for K, N in SHAPES:
                 for M in (1, 4, 16):
                     print_best(rows, K, N, M, top=3, width=40)
+        print_failed(rows, t_start)
+        return
+    if args.variants == "r7":
+        report["command"] = "python benchmarks/bench_w4a16.py --variants r7"
+        report["kernel_round"] = 7
+        rows = time_variants(device, report, args.out, "r7", (1,), r7_candidates, shapes=E2E_SHAPES)
+        rows += time_variants(device, report, args.out, "r7_tc", (4, 16), r7_candidates)[:-1]
+        report["r7"] = rows
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
+        for K, N in E2E_SHAPES:
+            print_best(rows, K, N, 1, top=4, width=48)
+        for K, N in SHAPES:
+            for M in (4, 16):
+                print_best(rows, K, N, M, top=4, width=48)
         print_failed(rows, t_start)
         return
     if args.variants == "gemv":

@@ -304,6 +304,10 @@ TC_CASES = [
     # the 64-row tiles of the wide 17 <= M <= 64 default (round 6): M below one tile, and two M tiles
     (40, 128, 32, 128, k.W4A16Config(64, 32, 64, 1, algo=A.TC, tc_perm=True), torch.float32),
     (70, 128, 16, 64, k.W4A16Config(64, 16, 64, 1, algo=A.TC, tc_perm=True), torch.float16),
+    # scale_ahead (round 7): a new scale every step with split-K whose last split is empty (4 steps over 3 splits:
+    # 2, 2, 0), and per-channel with a masked last step
+    (5, 256, 48, 64, k.W4A16Config(16, 16, 64, 3, algo=A.TC, tc_perm=True, scale_ahead=True), torch.float32),
+    (3, 264, 40, 264, k.W4A16Config(16, 32, 64, 1, algo=A.TC, scale_ahead=True), torch.float32),
 ]
 
 
@@ -389,6 +393,9 @@ def test_tc_cuda(algo, perm, dtype):
     # --variants tc2's large tiles: several M tiles, and split-K (the bench's next experiment)
     (200, 4096, 1024, 128, k.W4A16Config(128, 128, 128, 1, 8, 3, A.TC_ASM, tc_perm=True)),
     (200, 4096, 1024, 128, k.W4A16Config(64, 128, 128, 5, 8, 3, A.TC_ASM, tc_perm=True)),
+    # scale_ahead (round 7) with split-K and N % BLOCK_N != 0, and per-channel K % 128 != 0
+    (7, 4096, 1000, 128, k.W4A16Config(16, 128, 128, 5, 4, 3, A.TC_ASM, tc_perm=True, scale_ahead=True)),
+    (16, 4104, 1000, 4104, k.W4A16Config(16, 64, 128, 3, 4, 3, A.TC_ASM, tc_perm=True, scale_ahead=True)),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
@@ -398,3 +405,25 @@ def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias, config=cfg)
     ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, group_size, bias=bias.float())
     assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the pipelined loop is compiled code; the interpreter runs it "
+                                         "as a plain loop)")
+@pytest.mark.parametrize("K,N,group_size,cfg", [
+    # the GEMV's K loop pipelined by Triton (num_stages > 1, round 7): split-K + bias on the real square shape, N and
+    # K off the tile grid (per-channel K = 4104), and groups of 32 (several per step)
+    (4096, 4096, 128, k.W4A16Config(1, 1024, 64, 8, 8, 3, A.GEMV, biased_fma=15)),
+    (4104, 1000, 4104, k.W4A16Config(1, 512, 64, 3, 4, 3, A.GEMV, biased_fma=15)),
+    (4096, 1024, 32, k.W4A16Config(1, 1024, 32, 4, 8, 4, A.GEMV, biased_fma=15)),
+    (4096, 1024, 128, k.W4A16Config(1, 512, 128, 2, 4, 2, A.GEMV)),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_pipelined_cuda(K, N, group_size, cfg, dtype):
+    _, qweight, scales, zeros = random_layer(K, N, 4, group_size)
+    x = torch.randn(1, K, device=DEVICE, dtype=dtype)
+    bias = torch.randn(N, device=DEVICE, dtype=dtype)
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias, config=cfg)
+    ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, group_size, bias=bias.float())
+    assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+    ws, locks = k._WORKSPACE._buffers[x.device]
+    assert not ws.any() and not locks.any(), "split-K must leave its workspace zeroed"
