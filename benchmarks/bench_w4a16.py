@@ -7,7 +7,7 @@ Usage (GPU)::
     python benchmarks/bench_w4a16.py --variants gemv --out benchmarks/results/w4a16_h200_round4_gemv.json  # M = 1 only
     python benchmarks/bench_w4a16.py --variants tc --out benchmarks/results/w4a16_h200_round5_tc.json  # M = 1, 4, 16
     python benchmarks/bench_w4a16.py --variants tc2 --out benchmarks/results/w4a16_h200_round7_tc2.json  # M = 4-256
-    python benchmarks/bench_w4a16.py --variants r7 --out benchmarks/results/w4a16_h200_round7.json  # M = 1, 4, 16
+    python benchmarks/bench_w4a16.py --variants r7 --out benchmarks/results/w4a16_h200_round7.json  # M = 1
     python benchmarks/bench_w4a16.py --sass  # no GPU: SASS instructions per weight of the DOT / TC kernels (sm_90)
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
@@ -421,7 +421,7 @@ def time_variants(device, report: dict, out_path: str | None, key: str, ms, cand
                     out = k.w4a16_matmul(xs[0], *qsets[0], 4, GROUP, config=cfg)
                     err = rel_err(out, k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP))
                     c = cfg or default
-                    key = (c.algo, c.block_m, c.block_n, c.split_k > 1, c.scale_ahead)
+                    key = (c.algo, c.block_m, c.block_n, c.split_k > 1)
                     if c.algo in (k.W4A16Algo.TC, k.W4A16Algo.TC_ASM) and key not in checked:
                         checked.add(key)
                         err = max([err] + _tc_extra_checks(c, M, device))
@@ -451,27 +451,16 @@ E2E_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 1
 
 
 def r7_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
-    """``--variants r7`` candidates (issue 7, round 7, from Nsight Compute on round 6's defaults):
-
-    * M = 1: the GEMV with its K loop pipelined by Triton (``num_stages > 1``: the tiles of later steps copied ahead
-      with cp.async). The default runs ~2 K steps per program, with no copy in flight while it computes, and its
-      prologue and split-K epilogue took 27% of its stall samples (``ncu_gemv_h200_round7.*``); pipelined programs can
-      run longer (1-3 per SM). Shared memory per stage: ``BLOCK_K * BLOCK_N / 2`` bytes.
-    * M = 4, 16: ``scale_ahead`` on the TC default and on 16x128x128: the scales' plain load, waited on right after
-      the wgmma, was the kernel's top stall (14% of samples)."""
-    if M == 1:
-        out = []
-        for bn, bk, w, stages, per_sm in ((1024, 64, 8, 3, 2), (1024, 64, 8, 3, 1), (1024, 64, 8, 2, 2),
-                                          (1024, 32, 8, 4, 2), (1024, 32, 8, 4, 3), (2048, 32, 8, 3, 2),
-                                          (512, 64, 4, 3, 4), (512, 128, 4, 2, 2), (2048, 64, 8, 2, 1)):
-            split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
-            out.append(k.W4A16Config(1, bn, bk, split, w, stages, A.GEMV, biased_fma=15))
-        return out
+    """``--variants r7`` candidates (issue 7, round 7, from Nsight Compute on round 6's defaults), M = 1 only: the GEMV
+    with ``defer_reduce`` (a per-row accumulator reduced once after the K loop) on narrow column tiles (16-64
+    columns, the rows of a step spread over threads and warps) with few or no K splits. The default's split-K
+    epilogue (the partial sums' atomics, then the arrival counter's round trip, which every warp waits for at a
+    barrier) and its prologue took 27% (4096x14336) and 38% (4096x4096) of its stall samples
+    (``ncu_gemv_h200_round7*``); without split-K neither the atomics nor the counter exist."""
     out = []
-    for bn in (64, 128):
-        split = k.split_k_for(-(-N // bn), -(-K // 128), sms, 4)
-        for ahead in (False, True):
-            out.append(k.W4A16Config(16, bn, 128, split, 4, 3, A.TC_ASM, tc_perm=True, scale_ahead=ahead))
+    for bn, bk, w, split in ((32, 2048, 8, 1), (32, 1024, 8, 1), (64, 1024, 8, 1), (64, 2048, 16, 1), (32, 1024, 8, 2),
+                             (64, 1024, 8, 2), (128, 512, 8, 4), (32, 2048, 16, 1), (16, 2048, 8, 1)):
+        out.append(k.W4A16Config(1, bn, bk, split, w, 1, A.GEMV, biased_fma=15, defer_reduce=True))
     return out
 
 
@@ -635,8 +624,8 @@ def main() -> None:
                         help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
                              "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: TC_ASM "
                              "tile/stage/split choices at M = 4, 16, and 64x128 / 128x128 tiles with and without split-K vs "
-                             "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes); r7: the pipelined GEMV at M = 1 on "
-                             "the engine's projection shapes and scale_ahead at M = 4, 16 (r7_candidates)")
+                             "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes); r7: the GEMV with defer_reduce at "
+                             "M = 1 on the engine's projection shapes (r7_candidates)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
     args = parser.parse_args()
@@ -685,17 +674,12 @@ def main() -> None:
         report["command"] = "python benchmarks/bench_w4a16.py --variants r7"
         report["kernel_round"] = 7
         rows = time_variants(device, report, args.out, "r7", (1,), r7_candidates, shapes=E2E_SHAPES)
-        rows += time_variants(device, report, args.out, "r7_tc", (4, 16), r7_candidates)[:-1]
-        report["r7"] = rows
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
         print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
         for K, N in E2E_SHAPES:
             print_best(rows, K, N, 1, top=4, width=48)
-        for K, N in SHAPES:
-            for M in (4, 16):
-                print_best(rows, K, N, M, top=4, width=48)
         print_failed(rows, t_start)
         return
     if args.variants == "gemv":

@@ -205,8 +205,10 @@ class W4A16Config:
     biased_fma: int = 0
     # TC/TC_ASM only: the tile's K order permuted to the MMA fragment's (_tc_kperm_x; block_k % 32 == 0)
     tc_perm: bool = False
-    # TC/TC_ASM only: the scales of K step it+1 loaded during step it (a plain load: not one of the dot's operands)
-    scale_ahead: bool = False
+    # GEMV with biased_fma only: keep a [BLOCK_K // PACK, BLOCK_N] fp32 accumulator (the tile's layout) and reduce it
+    # over rows once after the K loop, so the rows of a step may lie in different threads and warps (narrow tiles,
+    # split_k 1) with no cross-thread reduction per step
+    defer_reduce: bool = False
 
     def __post_init__(self):
         if not isinstance(self.algo, W4A16Algo):
@@ -222,23 +224,24 @@ class W4A16Config:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"W4A16Config.{name} must be a power of two, got {value!r}")
-        for name in ("prefetch", "fold_exp", "tc_perm", "scale_ahead"):
+        for name in ("prefetch", "fold_exp", "tc_perm", "defer_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"W4A16Config.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.biased_fma) is not int or self.biased_fma not in (0, 12, 15):
             raise ValueError(f"W4A16Config.biased_fma must be 0 (off), 12 or 15, got {self.biased_fma!r}")
         if self.biased_fma and self.algo != W4A16Algo.GEMV:
             raise ValueError(f"W4A16Config.biased_fma={self.biased_fma} is a GEMV option, but algo is {self.algo.value!r}")
-        for name in ("tc_perm", "scale_ahead"):
-            if getattr(self, name) and self.algo not in (W4A16Algo.TC, W4A16Algo.TC_ASM):
-                raise ValueError(f"W4A16Config.{name} is a TC/TC_ASM option, but algo is {self.algo.value!r}")
+        if self.tc_perm and self.algo not in (W4A16Algo.TC, W4A16Algo.TC_ASM):
+            raise ValueError(f"W4A16Config.tc_perm is a TC/TC_ASM option, but algo is {self.algo.value!r}")
+        if self.defer_reduce and not (self.algo == W4A16Algo.GEMV and self.biased_fma and not self.prefetch):
+            raise ValueError(f"W4A16Config.defer_reduce is a GEMV option that needs biased_fma and no prefetch, got {self}")
         if self.prefetch and self.algo != W4A16Algo.GEMV:
             raise ValueError(f"W4A16Config.prefetch is a GEMV option, but algo is {self.algo.value!r}")
 
     def __str__(self) -> str:
         extra = (f"{' pf' if self.prefetch else ''}{'' if self.fold_exp else ' magic'}"
-                 f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}") if self.algo == W4A16Algo.GEMV else (
-                 f"{' perm' if self.tc_perm else ''}{' sahead' if self.scale_ahead else ''}")
+                 f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}{' defer' if self.defer_reduce else ''}"
+                 ) if self.algo == W4A16Algo.GEMV else (" perm" if self.tc_perm else "")
         return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{extra}")  # fmt: skip
 
@@ -590,6 +593,7 @@ if triton is not None:
     def _gemv_step_biased(
         acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
         BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, T: tl.constexpr,
+        DEFER: tl.constexpr = False,
     ):  # fmt: skip
         """``_gemv_step`` without the FADD per weight (``W4A16Config.biased_fma = T``): per weight one LOP3 (+ a shift
         shared by two 4-bit fields: ``_field_placed``) and one FFMA of the *biased* value, ``P = sum_k x_k (B_k + q_k)``;
@@ -626,7 +630,16 @@ if triton is not None:
             else:
                 part += xhi[:, None] * _field_placed(p, zero, J, BITS, T)
                 xo += xhi
-        if GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: C, X and the scale once per column
+        if DEFER:  # acc [BKP, BLOCK_N]: per packed row, no reduction over rows (W4A16Config.defer_reduce)
+            if GROUP_SIZE % BLOCK_K == 0:
+                g = k0 // GROUP_SIZE
+                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
+            else:
+                s, z = _group_rows(s_ptr, z_ptr, k0 + offs_kp * PACK, offs_n, mask_n, N, K, GROUP_SIZE)
+            cx = xe * _field_bias(0, BITS, T) + xo * _field_bias(1, BITS, T)
+            acc += s * ((part - cx[:, None]) - z * (xe + xo)[:, None])
+        elif GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: C, X and the scale once per column
             g = k0 // GROUP_SIZE
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
@@ -644,11 +657,12 @@ if triton is not None:
     def _gemv_step_any(
         acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD_EXP: tl.constexpr, BIASED_FMA: tl.constexpr,
+        DEFER: tl.constexpr = False,
     ):  # fmt: skip
         """One K step of the GEMV: ``_gemv_step_biased`` when ``BIASED_FMA`` is set, else ``_gemv_step``."""
         if BIASED_FMA:
             acc = _gemv_step_biased(acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
-                                    BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA)
+                                    BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA, DEFER)
         else:
             acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
                              BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
@@ -676,7 +690,7 @@ if triton is not None:
         EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
         FOLD_EXP: tl.constexpr,  # _field_biased (a magic per field) instead of _field_magic + x * 2**-E
         BIASED_FMA: tl.constexpr,  # 0, or T of _gemv_step_biased (W4A16Config.biased_fma)
-        NUM_STAGES: tl.constexpr = 1,  # > 1: the K loop pipelined by Triton (tl.range), tiles copied ahead (cp.async)
+        DEFER: tl.constexpr,  # W4A16Config.defer_reduce: a [BLOCK_K // PACK, BLOCK_N] accumulator, reduced once at the end
     ):
         """The M = 1 GEMV (``W4A16Algo.GEMV``): program ``(pid_n, pid_k)`` owns columns ``pid_n * BLOCK_N + [0,
         BLOCK_N)`` and K slice ``pid_k`` of ``SPLIT_K``; a 1-D fp32 accumulator, reduced over the tile's rows every
@@ -694,7 +708,10 @@ if triton is not None:
         offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
         offs_kp = tl.arange(0, BLOCK_K // PACK)
         mask_n = offs_n < N
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if DEFER:
+            acc = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PREFETCH:  # step it+1's tile in flight while step it computes (Triton only pipelines loads that feed tl.dot)
             p = _gemv_load(qw_ptr, it_start, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
             for it in range(it_start, it_end):
@@ -704,16 +721,13 @@ if triton is not None:
                 acc = _gemv_step_any(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
                                      BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP, BIASED_FMA)
                 p = p_next
-        elif NUM_STAGES > 1:  # Triton's software pipeliner copies the loads of later steps ahead (cp.async)
-            for it in tl.range(it_start, it_end, num_stages=NUM_STAGES):
-                p = _gemv_load(qw_ptr, it, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
-                acc = _gemv_step_any(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP, BIASED_FMA)
         else:
             for it in range(it_start, it_end):
                 p = _gemv_load(qw_ptr, it, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
                 acc = _gemv_step_any(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP, BIASED_FMA)
+                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP, BIASED_FMA, DEFER)
+        if DEFER:
+            acc = tl.sum(acc, axis=0)
         offs_m = tl.arange(0, 1)
         _write_tile(acc[None, :], offs_m, offs_n, offs_m < 1, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid_n, N, 0,
                     HAS_BIAS, SPLIT_K)
@@ -859,7 +873,6 @@ if triton is not None:
         USE_ASM: tl.constexpr,  # TC_ASM: _tc_unpack_asm; TC: _tc_unpack_bits
         EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
         PERMUTE_K: tl.constexpr,  # W4A16Config.tc_perm: the weight tile's columns in MMA-fragment order (_tc_kperm_x)
-        SCALE_AHEAD: tl.constexpr = False,  # W4A16Config.scale_ahead: step it+1's scales loaded during step it
     ):
         """``W4A16Algo.TC`` / ``TC_ASM``: program ``(tile, pid_k)`` computes ``out^T [BLOCK_N, BLOCK_M]`` of its tile
         over K slice ``pid_k`` as ``W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]`` per K step (swap AB: the
@@ -897,9 +910,6 @@ if triton is not None:
         rows_x = tl.minimum(offs_m, M - 1)
         MAGIC: tl.constexpr = _tc_magic_value(DT)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if SCALE_AHEAD:  # the scales are a plain load (only the dot's operands are pipelined): one step ahead
-            g0 = tl.minimum(it_start * BLOCK_K, K - 1) // GROUP_SIZE  # a group that exists, for an empty K slice too
-            s_next = tl.load(s_ptr + g0 * N + offs_n, mask=mask_n, other=0.0)
         for it in range(it_start, it_end):
             k0 = it * BLOCK_K
             kp = k0 // 8 + offs_kp
@@ -919,12 +929,7 @@ if triton is not None:
             else:
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :] & (kk[:, None] < K), other=0.0)
             g = k0 // GROUP_SIZE
-            if SCALE_AHEAD:
-                s = s_next.to(tl.float32)
-                g_next = tl.minimum(it + 1, it_end - 1) * BLOCK_K // GROUP_SIZE  # the last step re-loads its own
-                s_next = tl.load(s_ptr + g_next * N + offs_n, mask=mask_n, other=0.0)
-            else:
-                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+            s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
             z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
             if USE_ASM:
                 zb = (z + MAGIC).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -1226,7 +1231,7 @@ def _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Co
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, N, K,
         BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, PREFETCH=cfg.prefetch, EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-        FOLD_EXP=cfg.fold_exp, BIASED_FMA=cfg.biased_fma, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        FOLD_EXP=cfg.fold_exp, BIASED_FMA=cfg.biased_fma, DEFER=cfg.defer_reduce, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
@@ -1257,8 +1262,7 @@ def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Conf
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, M, N, K, x.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_ASM=cfg.algo == W4A16Algo.TC_ASM,
-        EVEN_K=K % cfg.block_k == 0, PERMUTE_K=cfg.tc_perm, SCALE_AHEAD=cfg.scale_ahead, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        EVEN_K=K % cfg.block_k == 0, PERMUTE_K=cfg.tc_perm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

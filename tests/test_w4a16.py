@@ -63,6 +63,11 @@ CASES = [
     (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, prefetch=True, biased_fma=15)),
     (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.GEMV, biased_fma=15)),
     (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, biased_fma=15)),
+    # defer_reduce (round 7: a per-row accumulator, reduced after the loop): step rows over 8 warps with groups
+    # smaller than the step, split-K + bias with per-channel K % BLOCK_K != 0 on 2 warps, 16-column tiles
+    (1, 512, 64, 4, 128, k.W4A16Config(1, 32, 256, 1, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
+    (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, 2, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
+    (1, 512, 48, 4, 32, k.W4A16Config(1, 16, 256, 1, 4, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
     (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 128, 2, algo=A.DOT)),
     (3, 96, 40, 4, 96, k.W4A16Config(16, 32, 64, 2, algo=A.DOT)),  # per-channel spanning tiles
     (5, 256, 48, 4, 32, k.W4A16Config(16, 16, 128, 1, algo=A.DOT_SWAP)),
@@ -205,6 +210,11 @@ def test_config_validation():
     assert k.split_k_for(num_tiles=32, k_iters=32, num_sms=132) == 17
     assert k.split_k_for(num_tiles=1000, k_iters=32, num_sms=132) == 1
     assert k.split_k_for(num_tiles=1, k_iters=8, num_sms=132) == 8
+    for bad in (dict(algo=A.GEMV), dict(algo=A.GEMV, biased_fma=15, prefetch=True), dict(algo=A.TC, biased_fma=0)):
+        with pytest.raises(ValueError, match="defer_reduce is a GEMV option that needs biased_fma"):
+            k.W4A16Config(1, 32, 256, defer_reduce=True, **bad)
+    assert str(k.W4A16Config(1, 32, 2048, 1, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)) == \
+        "gemv 1x32x2048 split1 w8 s1 bfma15 defer"
 
 
 def test_kernel_rejects_bad_arguments():
@@ -304,10 +314,6 @@ TC_CASES = [
     # the 64-row tiles of the wide 17 <= M <= 64 default (round 6): M below one tile, and two M tiles
     (40, 128, 32, 128, k.W4A16Config(64, 32, 64, 1, algo=A.TC, tc_perm=True), torch.float32),
     (70, 128, 16, 64, k.W4A16Config(64, 16, 64, 1, algo=A.TC, tc_perm=True), torch.float16),
-    # scale_ahead (round 7): a new scale every step with split-K whose last split is empty (4 steps over 3 splits:
-    # 2, 2, 0), and per-channel with a masked last step
-    (5, 256, 48, 64, k.W4A16Config(16, 16, 64, 3, algo=A.TC, tc_perm=True, scale_ahead=True), torch.float32),
-    (3, 264, 40, 264, k.W4A16Config(16, 32, 64, 1, algo=A.TC, scale_ahead=True), torch.float32),
 ]
 
 
@@ -393,9 +399,6 @@ def test_tc_cuda(algo, perm, dtype):
     # --variants tc2's large tiles: several M tiles, and split-K (the bench's next experiment)
     (200, 4096, 1024, 128, k.W4A16Config(128, 128, 128, 1, 8, 3, A.TC_ASM, tc_perm=True)),
     (200, 4096, 1024, 128, k.W4A16Config(64, 128, 128, 5, 8, 3, A.TC_ASM, tc_perm=True)),
-    # scale_ahead (round 7) with split-K and N % BLOCK_N != 0, and per-channel K % 128 != 0
-    (7, 4096, 1000, 128, k.W4A16Config(16, 128, 128, 5, 4, 3, A.TC_ASM, tc_perm=True, scale_ahead=True)),
-    (16, 4104, 1000, 4104, k.W4A16Config(16, 64, 128, 3, 4, 3, A.TC_ASM, tc_perm=True, scale_ahead=True)),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
@@ -407,23 +410,23 @@ def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
     assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the pipelined loop is compiled code; the interpreter runs it "
-                                         "as a plain loop)")
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (real-size check of the compiled layouts)")
 @pytest.mark.parametrize("K,N,group_size,cfg", [
-    # the GEMV's K loop pipelined by Triton (num_stages > 1, round 7): split-K + bias on the real square shape, N and
-    # K off the tile grid (per-channel K = 4104), and groups of 32 (several per step)
-    (4096, 4096, 128, k.W4A16Config(1, 1024, 64, 8, 8, 3, A.GEMV, biased_fma=15)),
-    (4104, 1000, 4104, k.W4A16Config(1, 512, 64, 3, 4, 3, A.GEMV, biased_fma=15)),
-    (4096, 1024, 32, k.W4A16Config(1, 1024, 32, 4, 8, 4, A.GEMV, biased_fma=15)),
-    (4096, 1024, 128, k.W4A16Config(1, 512, 128, 2, 4, 2, A.GEMV)),
+    # the GEMV with defer_reduce (round 7), narrow tiles whose step rows span threads and warps: no split-K on the real
+    # square shape, split-K + N and K off the tile grid (per-channel K = 4104), and groups of 32 (several per row tile)
+    (4096, 4096, 128, k.W4A16Config(1, 32, 2048, 1, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
+    (4104, 1000, 4104, k.W4A16Config(1, 64, 1024, 2, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
+    (4096, 1024, 32, k.W4A16Config(1, 16, 2048, 1, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
+    (14336, 4096, 128, k.W4A16Config(1, 128, 512, 4, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_pipelined_cuda(K, N, group_size, cfg, dtype):
+def test_gemv_defer_reduce_cuda(K, N, group_size, cfg, dtype):
     _, qweight, scales, zeros = random_layer(K, N, 4, group_size)
     x = torch.randn(1, K, device=DEVICE, dtype=dtype)
     bias = torch.randn(N, device=DEVICE, dtype=dtype)
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias, config=cfg)
     ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, group_size, bias=bias.float())
     assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
-    ws, locks = k._WORKSPACE._buffers[x.device]
-    assert not ws.any() and not locks.any(), "split-K must leave its workspace zeroed"
+    if cfg.split_k > 1:
+        ws, locks = k._WORKSPACE._buffers[x.device]
+        assert not ws.any() and not locks.any(), "split-K must leave its workspace zeroed"
