@@ -451,16 +451,16 @@ E2E_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 1
 
 
 def r7_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
-    """``--variants r7`` candidates (issue 7, round 7, from Nsight Compute on round 6's defaults), M = 1 only: the GEMV
-    with ``defer_reduce`` (a per-row accumulator reduced once after the K loop) on narrow column tiles (16-64
-    columns, the rows of a step spread over threads and warps) with few or no K splits. The default's split-K
-    epilogue (the partial sums' atomics, then the arrival counter's round trip, which every warp waits for at a
-    barrier) and its prologue took 27% (4096x14336) and 38% (4096x4096) of its stall samples
-    (``ncu_gemv_h200_round7*``); without split-K neither the atomics nor the counter exist."""
+    """``--variants r7`` candidates (issue 7, round 7), M = 1 only, on the engine's projection shapes: the GEMV
+    (``biased_fma=15``, no hand prefetch) with whole-group steps and 16 warps, one program per SM, which beat the
+    default of then on the fused q|k|v shape (4096x6144: 8.6 vs 10.0 us) in the round's first sweep, its neighbours
+    and the square and wide/tall rules' tiles.
+    The round's other GEMV variants lost on every shape and were removed (``default_config``'s NOTE)."""
     out = []
-    for bn, bk, w, split in ((32, 2048, 8, 1), (32, 1024, 8, 1), (64, 1024, 8, 1), (64, 2048, 16, 1), (32, 1024, 8, 2),
-                             (64, 1024, 8, 2), (128, 512, 8, 4), (32, 2048, 16, 1), (16, 2048, 8, 1)):
-        out.append(k.W4A16Config(1, bn, bk, split, w, 1, A.GEMV, biased_fma=15, defer_reduce=True))
+    for bn, bk, w, per_sm in ((2048, 128, 16, 1), (2048, 64, 16, 1), (2048, 128, 8, 1), (1024, 128, 16, 1),
+                              (1024, 128, 8, 2), (4096, 128, 16, 1), (1024, 64, 8, 2), (2048, 64, 8, 2)):
+        split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
+        out.append(k.W4A16Config(1, bn, bk, split, w, 1, A.GEMV, biased_fma=15))
     return out
 
 
@@ -624,8 +624,8 @@ def main() -> None:
                         help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
                              "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: TC_ASM "
                              "tile/stage/split choices at M = 4, 16, and 64x128 / 128x128 tiles with and without split-K vs "
-                             "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes); r7: the GEMV with defer_reduce at "
-                             "M = 1 on the engine's projection shapes (r7_candidates)")
+                             "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes); r7: GEMV tiles at M = 1 on the "
+                             "engine's projection shapes, q|k|v, o, gate|up, down (r7_candidates)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
     args = parser.parse_args()

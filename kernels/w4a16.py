@@ -205,10 +205,6 @@ class W4A16Config:
     biased_fma: int = 0
     # TC/TC_ASM only: the tile's K order permuted to the MMA fragment's (_tc_kperm_x; block_k % 32 == 0)
     tc_perm: bool = False
-    # GEMV with biased_fma only: keep a [BLOCK_K // PACK, BLOCK_N] fp32 accumulator (the tile's layout) and reduce it
-    # over rows once after the K loop, so the rows of a step may lie in different threads and warps (narrow tiles,
-    # split_k 1) with no cross-thread reduction per step
-    defer_reduce: bool = False
 
     def __post_init__(self):
         if not isinstance(self.algo, W4A16Algo):
@@ -224,7 +220,7 @@ class W4A16Config:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"W4A16Config.{name} must be a power of two, got {value!r}")
-        for name in ("prefetch", "fold_exp", "tc_perm", "defer_reduce"):
+        for name in ("prefetch", "fold_exp", "tc_perm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"W4A16Config.{name} must be a bool, got {getattr(self, name)!r}")
         if type(self.biased_fma) is not int or self.biased_fma not in (0, 12, 15):
@@ -233,15 +229,13 @@ class W4A16Config:
             raise ValueError(f"W4A16Config.biased_fma={self.biased_fma} is a GEMV option, but algo is {self.algo.value!r}")
         if self.tc_perm and self.algo not in (W4A16Algo.TC, W4A16Algo.TC_ASM):
             raise ValueError(f"W4A16Config.tc_perm is a TC/TC_ASM option, but algo is {self.algo.value!r}")
-        if self.defer_reduce and not (self.algo == W4A16Algo.GEMV and self.biased_fma and not self.prefetch):
-            raise ValueError(f"W4A16Config.defer_reduce is a GEMV option that needs biased_fma and no prefetch, got {self}")
         if self.prefetch and self.algo != W4A16Algo.GEMV:
             raise ValueError(f"W4A16Config.prefetch is a GEMV option, but algo is {self.algo.value!r}")
 
     def __str__(self) -> str:
         extra = (f"{' pf' if self.prefetch else ''}{'' if self.fold_exp else ' magic'}"
-                 f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}{' defer' if self.defer_reduce else ''}"
-                 ) if self.algo == W4A16Algo.GEMV else (" perm" if self.tc_perm else "")
+                 f"{f' bfma{self.biased_fma}' if self.biased_fma else ''}") if self.algo == W4A16Algo.GEMV else (
+                 " perm" if self.tc_perm else "")
         return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}{extra}")  # fmt: skip
 
@@ -593,7 +587,6 @@ if triton is not None:
     def _gemv_step_biased(
         acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
         BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, T: tl.constexpr,
-        DEFER: tl.constexpr = False,
     ):  # fmt: skip
         """``_gemv_step`` without the FADD per weight (``W4A16Config.biased_fma = T``): per weight one LOP3 (+ a shift
         shared by two 4-bit fields: ``_field_placed``) and one FFMA of the *biased* value, ``P = sum_k x_k (B_k + q_k)``;
@@ -630,16 +623,7 @@ if triton is not None:
             else:
                 part += xhi[:, None] * _field_placed(p, zero, J, BITS, T)
                 xo += xhi
-        if DEFER:  # acc [BKP, BLOCK_N]: per packed row, no reduction over rows (W4A16Config.defer_reduce)
-            if GROUP_SIZE % BLOCK_K == 0:
-                g = k0 // GROUP_SIZE
-                s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)[None, :]
-            else:
-                s, z = _group_rows(s_ptr, z_ptr, k0 + offs_kp * PACK, offs_n, mask_n, N, K, GROUP_SIZE)
-            cx = xe * _field_bias(0, BITS, T) + xo * _field_bias(1, BITS, T)
-            acc += s * ((part - cx[:, None]) - z * (xe + xo)[:, None])
-        elif GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: C, X and the scale once per column
+        if GROUP_SIZE % BLOCK_K == 0:  # the tile lies in one group: C, X and the scale once per column
             g = k0 // GROUP_SIZE
             s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
@@ -657,12 +641,11 @@ if triton is not None:
     def _gemv_step_any(
         acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOLD_EXP: tl.constexpr, BIASED_FMA: tl.constexpr,
-        DEFER: tl.constexpr = False,
     ):  # fmt: skip
         """One K step of the GEMV: ``_gemv_step_biased`` when ``BIASED_FMA`` is set, else ``_gemv_step``."""
         if BIASED_FMA:
             acc = _gemv_step_biased(acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
-                                    BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA, DEFER)
+                                    BITS, GROUP_SIZE, BLOCK_K, EVEN_K, BIASED_FMA)
         else:
             acc = _gemv_step(acc, p, x_ptr, s_ptr, z_ptr, k0, offs_n, offs_kp, mask_n, N, K,
                              BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
@@ -690,7 +673,6 @@ if triton is not None:
         EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
         FOLD_EXP: tl.constexpr,  # _field_biased (a magic per field) instead of _field_magic + x * 2**-E
         BIASED_FMA: tl.constexpr,  # 0, or T of _gemv_step_biased (W4A16Config.biased_fma)
-        DEFER: tl.constexpr,  # W4A16Config.defer_reduce: a [BLOCK_K // PACK, BLOCK_N] accumulator, reduced once at the end
     ):
         """The M = 1 GEMV (``W4A16Algo.GEMV``): program ``(pid_n, pid_k)`` owns columns ``pid_n * BLOCK_N + [0,
         BLOCK_N)`` and K slice ``pid_k`` of ``SPLIT_K``; a 1-D fp32 accumulator, reduced over the tile's rows every
@@ -708,10 +690,7 @@ if triton is not None:
         offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
         offs_kp = tl.arange(0, BLOCK_K // PACK)
         mask_n = offs_n < N
-        if DEFER:
-            acc = tl.zeros([BLOCK_K // PACK, BLOCK_N], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PREFETCH:  # step it+1's tile in flight while step it computes (Triton only pipelines loads that feed tl.dot)
             p = _gemv_load(qw_ptr, it_start, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
             for it in range(it_start, it_end):
@@ -725,9 +704,7 @@ if triton is not None:
             for it in range(it_start, it_end):
                 p = _gemv_load(qw_ptr, it, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
                 acc = _gemv_step_any(acc, p, x_ptr, s_ptr, z_ptr, it * BLOCK_K, offs_n, offs_kp, mask_n, N, K,
-                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP, BIASED_FMA, DEFER)
-        if DEFER:
-            acc = tl.sum(acc, axis=0)
+                                     BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP, BIASED_FMA)
         offs_m = tl.arange(0, 1)
         _write_tile(acc[None, :], offs_m, offs_n, offs_m < 1, mask_n, out_ptr, ws_ptr, lock_ptr, bias_ptr, pid_n, N, 0,
                     HAS_BIAS, SPLIT_K)
@@ -1102,6 +1079,9 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     wide, tall = N >= 2 * K, K >= 2 * N
     k_iters = -(-K // 128)
     if M == 1 and group_size % 8 == 0:  # a group of whole int32 words for 4 and 8 bits (the GEMV's layout)
+        if K < N < 2 * K and group_size % 128 == 0:  # the fused q|k|v of GQA models (4096 x 6144): round 7
+            return W4A16Config(1, 2048, 128, split_k_for(-(-N // 2048), -(-K // 128), sms, 1), 16, 1, W4A16Algo.GEMV,
+                               biased_fma=15)
         bn = 2048 if wide or tall else 1024
         return W4A16Config(1, bn, 64, split_k_for(-(-N // bn), -(-K // 64), sms, 2), 8, 1, W4A16Algo.GEMV, biased_fma=15)
     tc = (device.type == "cuda" and bits == 4 and dtype in (torch.float16, torch.bfloat16)
@@ -1231,8 +1211,7 @@ def _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Co
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, N, K,
         BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, PREFETCH=cfg.prefetch, EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-        FOLD_EXP=cfg.fold_exp, BIASED_FMA=cfg.biased_fma, DEFER=cfg.defer_reduce, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        FOLD_EXP=cfg.fold_exp, BIASED_FMA=cfg.biased_fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

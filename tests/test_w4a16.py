@@ -63,11 +63,6 @@ CASES = [
     (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, prefetch=True, biased_fma=15)),
     (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.GEMV, biased_fma=15)),
     (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, biased_fma=15)),
-    # defer_reduce (round 7: a per-row accumulator, reduced after the loop): step rows over 8 warps with groups
-    # smaller than the step, split-K + bias with per-channel K % BLOCK_K != 0 on 2 warps, 16-column tiles
-    (1, 512, 64, 4, 128, k.W4A16Config(1, 32, 256, 1, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
-    (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, 2, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
-    (1, 512, 48, 4, 32, k.W4A16Config(1, 16, 256, 1, 4, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
     (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 128, 2, algo=A.DOT)),
     (3, 96, 40, 4, 96, k.W4A16Config(16, 32, 64, 2, algo=A.DOT)),  # per-channel spanning tiles
     (5, 256, 48, 4, 32, k.W4A16Config(16, 16, 128, 1, algo=A.DOT_SWAP)),
@@ -210,11 +205,6 @@ def test_config_validation():
     assert k.split_k_for(num_tiles=32, k_iters=32, num_sms=132) == 17
     assert k.split_k_for(num_tiles=1000, k_iters=32, num_sms=132) == 1
     assert k.split_k_for(num_tiles=1, k_iters=8, num_sms=132) == 8
-    for bad in (dict(algo=A.GEMV), dict(algo=A.GEMV, biased_fma=15, prefetch=True), dict(algo=A.TC, biased_fma=0)):
-        with pytest.raises(ValueError, match="defer_reduce is a GEMV option that needs biased_fma"):
-            k.W4A16Config(1, 32, 256, defer_reduce=True, **bad)
-    assert str(k.W4A16Config(1, 32, 2048, 1, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)) == \
-        "gemv 1x32x2048 split1 w8 s1 bfma15 defer"
 
 
 def test_kernel_rejects_bad_arguments():
@@ -238,6 +228,9 @@ def test_default_config_rules():
     assert str(k.default_config(1, 4096, 4096, 128, cpu)) == "gemv 1x1024x64 split64 w8 s1 bfma15"
     assert str(k.default_config(1, 14336, 4096, 128, cpu)) == "gemv 1x2048x64 split38 w8 s1 bfma15"
     assert str(k.default_config(1, 4096, 14336, 128, cpu)) == "gemv 1x2048x64 split132 w8 s1 bfma15"
+    # between square and wide (the fused q|k|v of GQA models, 4096 x 6144): round 7's whole-group steps, 16 warps
+    assert str(k.default_config(1, 6144, 4096, 128, cpu)) == "gemv 1x2048x128 split32 w16 s1 bfma15"
+    assert str(k.default_config(1, 6144, 4096, 32, cpu)) == "gemv 1x1024x64 split44 w8 s1 bfma15"  # round 4 rule
     assert str(k.default_config(4, 4096, 4096, 128, cpu)) == "dot 16x64x128 split9 w4 s3"
     assert str(k.default_config(4, 14336, 4096, 128, cpu)) == "dot 16x128x128 split5 w4 s3"
     assert str(k.default_config(16, 4096, 14336, 128, cpu)) == "dot 16x128x128 split17 w4 s3"
@@ -408,25 +401,3 @@ def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias, config=cfg)
     ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, group_size, bias=bias.float())
     assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
-
-
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (real-size check of the compiled layouts)")
-@pytest.mark.parametrize("K,N,group_size,cfg", [
-    # the GEMV with defer_reduce (round 7), narrow tiles whose step rows span threads and warps: no split-K on the real
-    # square shape, split-K + N and K off the tile grid (per-channel K = 4104), and groups of 32 (several per row tile)
-    (4096, 4096, 128, k.W4A16Config(1, 32, 2048, 1, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
-    (4104, 1000, 4104, k.W4A16Config(1, 64, 1024, 2, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
-    (4096, 1024, 32, k.W4A16Config(1, 16, 2048, 1, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
-    (14336, 4096, 128, k.W4A16Config(1, 128, 512, 4, 8, 1, A.GEMV, biased_fma=15, defer_reduce=True)),
-])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gemv_defer_reduce_cuda(K, N, group_size, cfg, dtype):
-    _, qweight, scales, zeros = random_layer(K, N, 4, group_size)
-    x = torch.randn(1, K, device=DEVICE, dtype=dtype)
-    bias = torch.randn(N, device=DEVICE, dtype=dtype)
-    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias, config=cfg)
-    ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, group_size, bias=bias.float())
-    assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
-    if cfg.split_k > 1:
-        ws, locks = k._WORKSPACE._buffers[x.device]
-        assert not ws.any() and not locks.any(), "split-K must leave its workspace zeroed"
