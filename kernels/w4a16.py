@@ -1079,18 +1079,16 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     wide, tall = N >= 2 * K, K >= 2 * N
     k_iters = -(-K // 128)
     if M == 1 and group_size % 8 == 0:  # a group of whole int32 words for 4 and 8 bits (the GEMV's layout)
-        if K < N < 2 * K and group_size % 128 == 0:  # the fused q|k|v of GQA models (4096 x 6144): round 7
-            return W4A16Config(1, 2048, 128, split_k_for(-(-N // 2048), -(-K // 128), sms, 1), 16, 1, W4A16Algo.GEMV,
-                               biased_fma=15)
-        bn = 2048 if wide or tall else 1024
+        bn = 2048 if N > K or tall else 1024  # N > K: wide, and the fused q|k|v of GQA models (round 7)
         return W4A16Config(1, bn, 64, split_k_for(-(-N // bn), -(-K // 64), sms, 2), 8, 1, W4A16Algo.GEMV, biased_fma=15)
     tc = (device.type == "cuda" and bits == 4 and dtype in (torch.float16, torch.bfloat16)
           and (group_size % 128 == 0 or group_size == K))
     if M <= 16 and tc:
         split = split_k_for(-(-N // 64), k_iters, sms, 4)
         return W4A16Config(16, 64, 128, split, 4, 3, W4A16Algo.TC_ASM, tc_perm=True)
-    if 16 < M <= 64 and tc and wide:  # round 6: measured at M = 64 only (docstring)
-        return W4A16Config(64, 128, 128, 1, 8, 3, W4A16Algo.TC_ASM, tc_perm=True)
+    if 16 < M <= 64 and tc and (wide or tall):  # rounds 6 and 7 (docstring)
+        split = split_k_for(-(-N // 128), k_iters, sms, 2) if tall else 1
+        return W4A16Config(64, 128, 128, split, 8, 3, W4A16Algo.TC_ASM, tc_perm=True)
     if M <= 16:
         bn = 128 if wide or tall else 64
         algo = W4A16Algo.DOT_SWAP if M > 4 and not (wide or tall) else W4A16Algo.DOT

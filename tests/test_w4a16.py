@@ -228,9 +228,8 @@ def test_default_config_rules():
     assert str(k.default_config(1, 4096, 4096, 128, cpu)) == "gemv 1x1024x64 split64 w8 s1 bfma15"
     assert str(k.default_config(1, 14336, 4096, 128, cpu)) == "gemv 1x2048x64 split38 w8 s1 bfma15"
     assert str(k.default_config(1, 4096, 14336, 128, cpu)) == "gemv 1x2048x64 split132 w8 s1 bfma15"
-    # between square and wide (the fused q|k|v of GQA models, 4096 x 6144): round 7's whole-group steps, 16 warps
-    assert str(k.default_config(1, 6144, 4096, 128, cpu)) == "gemv 1x2048x128 split32 w16 s1 bfma15"
-    assert str(k.default_config(1, 6144, 4096, 32, cpu)) == "gemv 1x1024x64 split44 w8 s1 bfma15"  # round 4 rule
+    # between square and wide (the fused q|k|v of GQA models, 4096 x 6144): the wide tiles (round 7)
+    assert str(k.default_config(1, 6144, 4096, 128, cpu)) == "gemv 1x2048x64 split64 w8 s1 bfma15"
     assert str(k.default_config(4, 4096, 4096, 128, cpu)) == "dot 16x64x128 split9 w4 s3"
     assert str(k.default_config(4, 14336, 4096, 128, cpu)) == "dot 16x128x128 split5 w4 s3"
     assert str(k.default_config(16, 4096, 14336, 128, cpu)) == "dot 16x128x128 split17 w4 s3"
@@ -259,8 +258,11 @@ def test_default_config_takes_tc_asm_on_cuda(monkeypatch):
         assert str(k.default_config(M, 14336, 4096, 128, cuda)) == wide64
     assert str(k.default_config(64, 8192, 4096, 4096, cuda)) == wide64  # N = 2K exactly, per-channel
     assert str(k.default_config(16, 14336, 4096, 128, cuda)) == "tc_asm 16x64x128 split3 w4 s3 perm"
-    for M, N, K in ((65, 14336, 4096), (256, 14336, 4096), (64, 4096, 4096), (64, 4096, 14336), (64, 8191, 4096)):
-        assert k.default_config(M, N, K, 128, cuda).algo is A.DEQUANT_MATMUL, (M, N, K)  # M > 64, square, tall
+    # round 7 (H200, M = 64: 48.5 vs DEQUANT_MATMUL 77.6 us): tall weights (K >= 2N) too, split-K to 2 programs per SM
+    for M in (17, 32, 64):
+        assert str(k.default_config(M, 4096, 14336, 128, cuda)) == "tc_asm 64x128x128 split9 w8 s3 perm"
+    for M, N, K in ((65, 14336, 4096), (256, 14336, 4096), (256, 4096, 14336), (64, 4096, 4096), (64, 8191, 4096)):
+        assert k.default_config(M, N, K, 128, cuda).algo is A.DEQUANT_MATMUL, (M, N, K)  # M > 64, square
     for kw in (dict(bits=8), dict(dtype=torch.float32), dict(group_size=64)):  # not TC-eligible
         assert k.default_config(64, 14336, 4096, device=cuda, **{"group_size": 128, **kw}).algo is A.DEQUANT_MATMUL
     assert k.default_config(64, 14336, 4096, 128, torch.device("cpu")).algo is A.DEQUANT_MATMUL
@@ -283,7 +285,8 @@ def test_custom_op_is_one_node_under_torch_compile():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (real-size check)")
 @pytest.mark.parametrize("M,K,N,algo", [(1, 4096, 4096, A.GEMV), (1, 4096, 6144, A.GEMV), (4, 4096, 4096, A.TC_ASM), (16, 4096, 4096, A.TC_ASM),
                                          (256, 4096, 4096, A.DEQUANT_MATMUL), (64, 4096, 14336, A.TC_ASM),
-                                         (33, 4096, 14336, A.TC_ASM), (64, 14336, 4096, A.DEQUANT_MATMUL)])
+                                         (33, 4096, 14336, A.TC_ASM), (64, 14336, 4096, A.TC_ASM),
+                                         (40, 14336, 4096, A.TC_ASM), (64, 4096, 4096, A.DEQUANT_MATMUL)])
 def test_kernel_real_size_cuda(M, K, N, algo):
     # the default config of each rule (algo: the one default_config must pick on CUDA for this shape)
     assert k.default_config(M, N, K, 128, DEVICE).algo is algo
