@@ -676,7 +676,18 @@ if triton is not None:
     ):
         """The M = 1 GEMV (``W4A16Algo.GEMV``): program ``(pid_n, pid_k)`` owns columns ``pid_n * BLOCK_N + [0,
         BLOCK_N)`` and K slice ``pid_k`` of ``SPLIT_K``; a 1-D fp32 accumulator, reduced over the tile's rows every
-        K step (in-thread when the tile's rows all sit in one thread: ``BLOCK_N = 128 * num_warps``)."""
+        K step (in-thread when the tile's rows all sit in one thread: ``BLOCK_N = 128 * num_warps``).
+
+        NOTE (issue 7 round 7; Nsight Compute source counters, ``benchmarks/results/ncu_w4a16_h200_round7_source.json``):
+        a default program runs 1-2 K steps, so its loads are waited on at once (``long_sb``, a third or more of the stall
+        samples) and the split-K epilogue's arrival counter, whose round trip every warp waits for at a barrier, is
+        the top single stall (6% on 4096 x 14336, 18% on 4096 x 4096). Three ways around it were measured on the H200
+        (``bench_w4a16.py --variants r7`` at commits 1667d32 / c01026f and with 16-warp tiles) and lost on every
+        shape of the engine's projections: the K loop pipelined by Triton (``tl.range(num_stages=2..4)``, tiles
+        copied ahead with cp.async; 1-23% slower, ``w4a16_h200_round7_pipelined.json``), a per-row accumulator
+        reduced once after the loop on 16-128-column tiles with no or little split-K (no counter at all; 2-28%
+        slower, ``w4a16_h200_round7_defer.json``), and one 16- or 32-warp program per SM (equal or slower, except the
+        2048x128 tiles on 4096 x 6144, which the wide tiles match: ``w4a16_h200_round7_tiles16w.json``)."""
         PACK: tl.constexpr = 32 // BITS
         tl.static_assert(BLOCK_K % PACK == 0)
         tl.static_assert(GROUP_SIZE % PACK == 0)
@@ -874,7 +885,15 @@ if triton is not None:
         split of it slower too; at M = 64 / 256 with 64x64 to 128x128 tiles 178-1209 us, 2.5-14x DEQUANT_MATMUL's
         time. Triton 3.9 (a CPU compile) had left the chained wgmma in flight (``pendings = 1``); triton 3.6 on the
         H200 waits at once (``pendings = 0`` in every variant, ``w4a16_sass_round6_h200.log``). At M = 1 every TC
-        variant (9.7-29 / 22.8-101 / 21.7-93 us) lost to the GEMV (7.0 / 13.4 / 13.7 us)."""
+        variant (9.7-29 / 22.8-101 / 21.7-93 us) lost to the GEMV (7.0 / 13.4 / 13.7 us).
+
+        NOTE (round 7): Nsight Compute put the top single stall of this kernel (14% of the samples at M = 16 on 4096 x
+        14336) on the fp16 -> fp32 conversion of the scales right after the wgmma: the scales are a plain load,
+        waited on at once (Triton pipelines only the dot's operands, and ``tl.range(num_stages=...)`` did not take
+        them in either). Loading them one K step ahead (commit 1667d32) gained 0-2% on the 16x64 tiles (9.6 -> 9.4
+        us at M = 4 on 4096 x 4096, equal elsewhere) and was removed; other warps hide that latency. The next
+        largest costs: x's shared-memory round trip (permuted in registers and stored for the wgmma: LDS at 4
+        wavefronts where 1 is ideal, STS, fences; ~20% of the samples) and the split-K epilogue (~20%)."""
         tl.static_assert(BLOCK_K % 8 == 0)
         BKP: tl.constexpr = BLOCK_K // 8
         DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -1017,52 +1036,57 @@ def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device, bits: int = 4,
                    dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
     """The launch configuration used when none is given, as rules on the shape: the fastest of the H200 sweeps
-    of issue 7 (group 128, bf16; M = 1: round 4, ``bench_w4a16.py --variants gemv``; M = 2-16 on CUDA: round 5,
-    ``--variants tc``; wide M = 17-64 on CUDA: round 6, ``--variants tc2``; otherwise round 1, re-timed in
-    round 3).
+    of issue 7 (group 128, bf16; M = 1: round 4, ``bench_w4a16.py --variants gemv``, and round 7, ``--variants r7``;
+    M = 2-16 on CUDA: round 5, ``--variants tc``; M = 17-64 on CUDA: rounds 6 and 7, ``--variants tc2``; otherwise
+    round 1, re-timed in round 3).
 
     A weight is *square* when neither side is twice the other (4096 x 4096), *wide* when
     ``N >= 2K`` (gate/up projections, 4096 x 14336) and *tall* when ``K >= 2N`` (down projection,
     14336 x 4096). Split-K comes from ``split_k_for`` with the programs per SM of each rule. The times are
-    H200 device time per call on the CUDA-graph clock (``bench_w4a16.py --quick``, 2026-11-29, torch 2.11,
-    triton 3.6), with bf16 ``torch.matmul`` of the same shape in brackets:
+    H200 device time per call on the CUDA-graph clock (``bench_w4a16.py --quick``, torch 2.11, triton 3.6; the
+    run of record of round 7, 2026-11-30, ``benchmarks/results/w4a16_h200_round7_quick.json``, unless said
+    otherwise), with bf16 ``torch.matmul`` of the same shape in brackets:
 
     ========  ========================================  ===============================================
     M         square (4096 x 4096)                      wide (4096 x 14336) / tall (14336 x 4096)
     ========  ========================================  ===============================================
     1         GEMV 1x1024x64 ``biased_fma=15``, 8       GEMV 1x2048x64 ``biased_fma=15``, 8 warps,
-              warps, 2 per SM: 6.9 us (bf16 12.4,       2 per SM: 13.5 us (30.8, 2.28x) /
-              1.79x; round 3 without biased_fma 7.8)    13.7 us (31.3, 2.29x); round 3: 18.0 / 17.8
-    2 - 16    TC_ASM 16x64x128 ``tc_perm``, 4 per SM,   the same: 22.2 (29.6, 1.34x) / 20.8 (31.1, 1.50x)
-              3 stages (round 5, ``--variants tc``):    at M = 4; 21.2 (30.0, 1.42x) / 20.7 (31.7,
-              9.6 us at M = 16 (bf16 13.1, 1.36x)       1.53x) at M = 16
+              warps, 2 per SM: 7.0 us (bf16 12.5,       2 per SM: 13.5 us (30.6, 2.27x) /
+              1.80x); with N > K (the fused q|k|v,      13.7 us (31.4, 2.29x); round 3: 18.0 / 17.8
+              4096 x 6144) the wide tiles: 8.6 us vs
+              10.0 with these (round 7, ``--variants
+              r7``)
+    2 - 16    TC_ASM 16x64x128 ``tc_perm``, 4 per SM,   the same: 22.6 (30.1, 1.33x) / 21.3 (31.5, 1.48x)
+              3 stages (round 5, ``--variants tc``):    at M = 4; 21.8 (30.3, 1.39x) / 21.0 (32.2,
+              9.6 us at M = 16 (bf16 13.2, 1.38x)       1.53x) at M = 16
     2 - 4     (no TC: not 4-bit, fp32 x, a group that   DOT 16x128x128, 4 per SM: 33.2 (29.9, 0.90x) /
-              is not whole K steps, or not CUDA)        30.1 (31.5, 1.05x)
+              is not whole K steps, or not CUDA)        30.1 (31.5, 1.05x) (round 3)
               DOT 16x64x128, 4 per SM: 12.9 us at
-              M = 4 (12.8, 0.99x)
+              M = 4 (12.8, 0.99x) (round 3)
     5 - 16    (no TC) DOT_SWAP 16x64x128, 4 per SM:     DOT 16x128x128, 4 per SM: 38.8 (30.3, 0.78x) /
-              16.9 us at M = 16 (13.1, 0.78x)           35.6 (32.0, 0.90x)
-    17 - 64   (the > 16 rule)                           wide with TC: TC_ASM 64x128x128 ``tc_perm``,
-                                                        split 1, 8 warps, 3 stages (round 6,
-                                                        ``--variants tc2``): 40.0 us at M = 64 (31.1,
-                                                        0.78x; DEQUANT_MATMUL 73.2, 0.42x); tall, and
-                                                        wide without TC: the > 16 rule (square: the
-                                                        > 16 rule)
-    > 16      DEQUANT_MATMUL 128x128 tiles:             the same (wide: M > 64 or no TC): 73.5 (31.1) /
-              20.7 / 25.9 us at M = 64 / 256            77.4 (35.1) at M = 64, 86.0 (45.8) / 90.9 (48.9)
-              (11.5 / 16.9: 0.55x / 0.66x)              at M = 256 (0.42x-0.54x)
+              16.9 us at M = 16 (13.1, 0.78x)           35.6 (32.0, 0.90x) (round 3)
+    17 - 64   (the > 16 rule)                           with TC: TC_ASM 64x128x128 ``tc_perm``, 8 warps,
+                                                        3 stages; wide split 1 (round 6): 39.8 us at
+                                                        M = 64 (31.2, 0.78x; DEQUANT_MATMUL 73.5), 52.7
+                                                        at M = 32 (30.6; DEQUANT_MATMUL 72.8); tall
+                                                        split-K, 2 per SM (round 7): 48.5 at M = 64
+                                                        (35.2, 0.73x; DEQUANT_MATMUL 77.6); without TC:
+                                                        the > 16 rule
+    > 16      DEQUANT_MATMUL 128x128 tiles:             the same (M > 64 or no TC): 87.4 (45.1) / 90.9
+              20.8 / 26.0 us at M = 64 / 256            (48.3) at M = 256 (0.52x-0.53x)
+              (11.3 / 17.0: 0.54x / 0.65x)
     ========  ========================================  ===============================================
 
     ``M == 1`` with ``group_size % 8 != 0`` (a group that is not whole int32 words, which the GEMV needs) takes
     the ``M <= 4`` rule.
 
-    The wide 17 - 64 rule was measured at M = 64 only (``benchmarks/results/w4a16_h200_round6_tc2.json``,
-    2026-11-30, torch 2.11, triton 3.6). For 17 <= M < 64 it is an extrapolation, not a measurement: the TC
-    kernel runs the same 64-row tiles there (one M tile, the same N / 128 programs and the same work per
-    program; rows past M read row M - 1), and DEQUANT_MATMUL's cost, mostly the dequantize pass and the weight
-    read of the GEMM, is about constant in M there too. The same 64x128 config lost everywhere else it ran:
-    square M = 64 41.2 vs DEQUANT_MATMUL 21.0 us, tall M = 64 134.4 vs 78.3 (only N / 128 = 32 programs, no
-    split-K), and at M = 256 150.8 vs 85.3 (wide), 40.7 vs 26.7 (square), 142.8 vs 90.6 (tall).
+    The 17 - 64 rules (``benchmarks/results/w4a16_h200_round6_tc2.json`` and ``w4a16_h200_round7_tc2.json``,
+    2026-11-30) were measured at M = 64 and, for wide weights, M = 32. The TC kernel runs one 64-row M tile for
+    every M in 17..64 (rows past M read row M - 1), so its work does not depend on M there: split 1 took 135.6 us at
+    M = 32 and 136.0 at M = 64 on the tall shape. The tall rule at M < 64 rests on that, not on a timing of its
+    split-K config below M = 64. On the square shape the same split-K tiles tied DEQUANT_MATMUL at M = 64 (20.0 vs
+    20.8 us), which stays; at M = 256, 64x128 and 128x128 tiles lost on every shape (round 6: 150.8 vs 85.3 wide,
+    40.7 vs 26.7 square, 142.8 vs 90.6 tall).
 
     NOTE: a fused tiled GEMM for M = 16..1024 (one dequantized ``[BLOCK_K, BLOCK_N]`` tile and one wgmma per K
     step, with unpack variants, a swapped variant and split-K; commit b41233e, results
