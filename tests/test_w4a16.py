@@ -404,3 +404,45 @@ def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias, config=cfg)
     ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, group_size, bias=bias.float())
     assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_gemv_pdl_only_on_cuda_sm90():
+    # programmatic dependent launch: never on CPU (the interpreter), and switchable for benchmarks
+    from paged_transformers.kernels import _launch
+
+    assert _launch.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+    if HAS_CUDA:
+        on = torch.cuda.get_device_capability()[0] >= 9
+        assert _launch.pdl_kwargs(torch.device("cuda")).get("launch_pdl", False) is on
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (programmatic dependent launch)")
+@pytest.mark.parametrize("pdl", [True, False])
+def test_gemv_chain_in_cuda_graph(pdl, monkeypatch):
+    # three dependent split-K GEMVs (each one's output is the next one's x, and they share the split-K workspace)
+    # captured in one CUDA graph, launched as programmatic dependent launches where supported: each must wait for its
+    # predecessor before reading x and touching the workspace, or the replay would read a stale x / a dirty workspace
+    from paged_transformers.kernels import _launch
+
+    monkeypatch.setattr(_launch, "PDL_ENABLED", pdl)
+    layers = [random_layer(4096, 4096, 4, 128, seed=20 + i)[1:] for i in range(3)]
+    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+
+    def chain():
+        ys = [x]
+        for qweight, scales, zeros in layers:
+            ys.append(k.w4a16_matmul(ys[-1] * 0.05, qweight, scales, zeros, 4, 128))
+        return ys
+
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = chain()
+    x.copy_(torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    for y_in, y_out, (qweight, scales, zeros) in zip(ys[:-1], ys[1:], layers):
+        ref = k.w4a16_matmul_ref(y_in.float() * 0.05, qweight, scales, zeros, 4, 128)
+        assert rel(y_out, ref) < 1e-2
+    ws, locks = k._WORKSPACE._buffers[x.device]
+    assert not ws.any() and not locks.any(), "split-K must leave its workspace zeroed"
