@@ -20,7 +20,6 @@ Usage (GPU)::
    E.g. ``python benchmarks/profile_decode.py --compile on --fuse both --out $OUT/fusion.json`` (~2 min).
    ``--decode-gemv`` picks the batch-1 projections of the compiled layers: our Triton GEMV (``on``, the
    engine's default, ``paged_transformers.decode_linear``), cuBLAS (``off``) or ``both``.
-   ``--pdl on|off|both``: the W4A16 GEMV (``--quantization``) launched as a programmatic dependent launch or not.
    ``--combo-kernels on|off|both`` picks Inductor's ``combo_kernels`` (horizontal fusion of independent kernels,
    e.g. the rotary embedding of q and of k, into one launch) for the compiled layers (``on``: the engine's default,
    ``compile.INDUCTOR_OPTIONS``).
@@ -126,10 +125,8 @@ def fusion_check(shape: str = "llama-3-8b", tokens: tuple[int, ...] = (1, 256), 
 
 
 def profile_engine(batches: list[int], context: int, steps: int, compile_layers: bool, fuse: bool | None = None,
-                   decode_gemv: bool = True, combo_kernels: bool = False, quantization: str | None = None,
-                   pdl: bool = True) -> dict:
+                   decode_gemv: bool = True, combo_kernels: bool = False, quantization: str | None = None) -> dict:
     from paged_transformers import decode_linear
-    from paged_transformers.kernels import _launch
     from paged_transformers.bench import build_model
     from paged_transformers.compile import INDUCTOR_OPTIONS
     from paged_transformers.config import EngineConfig
@@ -142,7 +139,6 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     torch._dynamo.utils.counters.clear()
     decode_linear.GEMV_ENABLED = decode_gemv  # read when the batch-1 graph is captured (engine start)
     INDUCTOR_OPTIONS["combo_kernels"] = combo_kernels  # read when the layers are compiled (engine start)
-    _launch.PDL_ENABLED = pdl  # read at each launch, also when the graphs are captured
     engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, compile_layers=compile_layers,
                                                          fuse_projections=fuse))
     fusion = getattr(engine.runner, "fusion", None)
@@ -202,7 +198,6 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     engine.close()
     decode_linear.GEMV_ENABLED = True
     INDUCTOR_OPTIONS["combo_kernels"] = True
-    _launch.PDL_ENABLED = True
     del engine, model
     gc.collect()  # the engine holds reference cycles (scheduler -> engine callbacks)
     torch._dynamo.reset()
@@ -249,9 +244,6 @@ def main() -> None:
     ap.add_argument("--check-shapes", nargs="*", default=["llama-3-8b"],
                     help="with --fuse both: one-layer models checked by fusion_check first (e.g. llama-3-8b qwen2.5-7b)")
     ap.add_argument("--gemv", action="store_true", help="also time the cuBLAS projections (part 2)")
-    ap.add_argument("--pdl", choices=["on", "off", "both"], default="on",
-                    help="the W4A16 GEMV launched as a programmatic dependent launch (on, the default on sm_90+: "
-                         "kernels._launch.pdl_kwargs) or not; both: profile each way")
     ap.add_argument("--quantization", choices=["gptq", "awq"], default=None,
                     help="random 4-bit group-128 weights of that format (build_model) instead of bf16")
     args = ap.parse_args()
@@ -272,17 +264,16 @@ def main() -> None:
     fuses = {"on": [True], "off": [False], "both": [True, False]}[args.fuse]
     gemvs = {"on": [True], "off": [False], "both": [True, False]}[args.decode_gemv]
     combos = {"on": [True], "off": [False], "both": [True, False]}[args.combo_kernels]
-    pdls = {"on": [True], "off": [False], "both": [True, False]}[args.pdl]
-    modes = [(c, f if c else False, gv if c else False, cb if c else False, pdl)
+    modes = [(c, f if c else False, gv if c else False, cb if c else False)
              for c in {"on": [True], "off": [False], "both": [True, False]}[args.compile]
              for f in (fuses if c else [False]) for gv in (gemvs if c else [False])
-             for cb in (combos if c else [False]) for pdl in pdls]
-    for m, fuse, gv, cb, pdl in modes:
+             for cb in (combos if c else [False])]
+    for m, fuse, gv, cb in modes:
         mode = f"compile_{'on' if m else 'off'}" + (
             f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}"
-            + ("" if cb else "_nocombo") if m else "") + ("" if pdl else "_nopdl")
+            + ("" if cb else "_nocombo") if m else "")
         cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, cb,
-                                                        args.quantization, pdl)
+                                                        args.quantization)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

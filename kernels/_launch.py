@@ -65,30 +65,3 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be launched as programmatic dependent launches (PDL, CUDA 12+): a CUDA device
-    of compute capability 9.0+ and a Triton that launches with it (``launch_pdl``, Triton 3.4+); never under the
-    interpreter.
-
-    A kernel launched so may start while the previous kernel of the stream finishes; ours then calls ``gdc_wait``
-    (which waits for that kernel and sees its writes) before it reads anything a step computes or writes anything,
-    so only launch latency and the prefetch of constant data (weights) overlap the previous kernel.
-    """
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    from triton.backends.nvidia.compiler import CUDAOptions
-
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__
-
-
-PDL_ENABLED = True
-"""Whether ``pdl_kwargs`` turns PDL on where supported (benchmarks turn it off to time without it; read at each
-launch, so a CUDA graph keeps what was set when it was captured)."""
-
-
-def pdl_kwargs(device: torch.device) -> dict:
-    """Launch keyword arguments of a kernel with a ``PDL`` constexpr: ``PDL`` and, when on, ``launch_pdl``."""
-    return {"PDL": True, "launch_pdl": True} if PDL_ENABLED and pdl_supported(device) else {"PDL": False}

@@ -47,8 +47,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ._launch import pdl_kwargs
-
 try:
     import triton
     import triton.language as tl
@@ -653,21 +651,6 @@ if triton is not None:
                              BITS, GROUP_SIZE, BLOCK_K, EVEN_K, FOLD_EXP)
         return acc
 
-    @triton.jit
-    def _gemv_pdl_prologue(qw_ptr, it_start, k_iters, offs_kp, pid_n, N, K, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-        """The GEMV's start as a programmatic dependent launch: while the previous kernel of the stream finishes, ask
-        L2 for the 128-byte lines of the program's first packed tile (``prefetch.global.L2``; weights are never written
-        by a step; rows and columns clamped into the weight, also for an empty K slice), then wait for that kernel
-        (``gdc_wait``) before x, the workspace or the output are touched."""
-        PACK: tl.constexpr = 32 // BITS
-        LINES: tl.constexpr = BLOCK_N // 32 if BLOCK_N >= 32 else 1  # 32 int32 words per line
-        kp = tl.minimum(tl.minimum(it_start, k_iters - 1) * (BLOCK_K // PACK) + offs_kp, K // PACK - 1)
-        cols = tl.minimum(pid_n * BLOCK_N + 32 * tl.arange(0, LINES), N - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [qw_ptr + kp[:, None] * N + cols[None, :]],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        tl.extra.cuda.gdc_wait()
-
     def _gemv_kernel_fn(
         x_ptr,  # [K] activations (the one row, M = 1), unit stride
         qw_ptr,  # int32 [K // PACK, N]
@@ -690,7 +673,6 @@ if triton is not None:
         EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no masks along N
         FOLD_EXP: tl.constexpr,  # _field_biased (a magic per field) instead of _field_magic + x * 2**-E
         BIASED_FMA: tl.constexpr,  # 0, or T of _gemv_step_biased (W4A16Config.biased_fma)
-        PDL: tl.constexpr,  # launched as a programmatic dependent launch (_launch.pdl_kwargs): prefetch, then wait
     ):
         """The M = 1 GEMV (``W4A16Algo.GEMV``): program ``(pid_n, pid_k)`` owns columns ``pid_n * BLOCK_N + [0,
         BLOCK_N)`` and K slice ``pid_k`` of ``SPLIT_K``; a 1-D fp32 accumulator, reduced over the tile's rows every
@@ -719,8 +701,6 @@ if triton is not None:
         offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
         offs_kp = tl.arange(0, BLOCK_K // PACK)
         mask_n = offs_n < N
-        if PDL:
-            _gemv_pdl_prologue(qw_ptr, it_start, k_iters, offs_kp, pid_n, N, K, BITS, BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if PREFETCH:  # step it+1's tile in flight while step it computes (Triton only pipelines loads that feed tl.dot)
             p = _gemv_load(qw_ptr, it_start, offs_kp, offs_n, mask_n, N, K, BITS, BLOCK_K, EVEN_K, EVEN_N)
@@ -1254,7 +1234,6 @@ def _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Co
         BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, PREFETCH=cfg.prefetch, EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
         FOLD_EXP=cfg.fold_exp, BIASED_FMA=cfg.biased_fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 
