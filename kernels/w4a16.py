@@ -687,7 +687,9 @@ if triton is not None:
         copied ahead with cp.async; 1-23% slower, ``w4a16_h200_round7_pipelined.json``), a per-row accumulator
         reduced once after the loop on 16-128-column tiles with no or little split-K (no counter at all; 2-28%
         slower, ``w4a16_h200_round7_defer.json``), and one 16- or 32-warp program per SM (equal or slower, except the
-        2048x128 tiles on 4096 x 6144, which the wide tiles match: ``w4a16_h200_round7_tiles16w.json``)."""
+        2048x128 tiles on 4096 x 6144, which the wide tiles match: ``w4a16_h200_round7_tiles16w.json``). Launched
+        as a programmatic dependent launch (the first tile prefetched to L2 before ``gdc_wait``; commit 942669a), the
+        engine's batch-1 GPTQ step went from 2.57 to 2.84 ms (``profile_decode_h200_gptq_pdl.json``)."""
         PACK: tl.constexpr = 32 // BITS
         tl.static_assert(BLOCK_K % PACK == 0)
         tl.static_assert(GROUP_SIZE % PACK == 0)
