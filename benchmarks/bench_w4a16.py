@@ -464,47 +464,6 @@ def r7_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
     return out
 
 
-def tc_x_tile_order(x: torch.Tensor, block_k: int = 128) -> torch.Tensor:
-    """x ``[M, K]`` with the columns of every ``block_k`` block in the TC kernel's ``tc_perm`` order
-    (``_tc_kperm_x``): ``[M, c, t, u, h, e] -> [M, t, u, h, c, e]`` within each block."""
-    M, K = x.shape
-    x7 = x.reshape(M, K // block_k, 4, block_k // 32, 2, 2, 2)
-    return x7.permute(0, 1, 3, 4, 5, 2, 6).reshape(M, K).contiguous()
-
-
-def time_xperm(device) -> list[dict]:
-    """``--variants xperm`` (issue 7 round 7, a measurement for a future weight layout): the TC default at M = 4 and
-    16 on the three shapes, as is and with x handed over already in the kernel's tile order (permuted once outside
-    the timed calls: ``_launch_tc(..., x_permuted=True)``), so the kernel skips x's shared-memory round trip (Nsight
-    Compute: ~20% of its stall samples). Each variant is checked against ``w4a16_matmul_ref`` of the natural x."""
-    rows = []
-    for K, N in SHAPES:
-        int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
-        for M in (4, 16):
-            xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
-            xps = [tc_x_tile_order(x) for x in xs]
-            cfg = k.default_config(M, N, K, GROUP, device)
-            bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
-            ref = k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP)
-            for name, fn in (("x in order", lambda i: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)),
-                             ("x pre-permuted", lambda i: k._launch_tc(xps[i % len(xs)], *qsets[i % n_q], 4, GROUP, None, cfg,
-                                                                        x_permuted=True))):
-                try:
-                    err = rel_err(fn(0), ref)
-                    if not err < 1e-2:
-                        raise AssertionError(f"rel_err {err:.3g}")
-                    us = graph_time_ms(fn) * 1e3
-                except Exception as e:  # noqa: BLE001 (record and go on: one call of device time)
-                    rows.append(dict(K=K, N=N, M=M, variant=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                    print("  failed", rows[-1], flush=True)
-                    continue
-                rows.append(dict(K=K, N=N, M=M, variant=name, config=str(cfg), graph_us=us, bf16_graph_us=bf16_us,
-                                 speedup=bf16_us / us, rel_err=err))
-                print(f"  K={K:5d} N={N:5d} M={M:3d} {name:15s} {str(cfg):40s} {us:7.1f} us  x{bf16_us / us:4.2f}  err {err:.1e}",
-                      flush=True)
-    return rows
-
-
 def print_tc2_table(rows: list[dict]) -> None:
     """One line per (shape, M): the default's and the best config's us, bf16's, both ratios and the target."""
     print("K x N        M  default us  best us  best config                                        bf16 us  x(def) x(best) target")
@@ -661,13 +620,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
     parser.add_argument("--no-e2e", action="store_true")
-    parser.add_argument("--variants", choices=["gemv", "tc", "tc2", "r7", "xperm"], default=None,
+    parser.add_argument("--variants", choices=["gemv", "tc", "tc2", "r7"], default=None,
                         help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
                              "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: TC_ASM "
                              "tile/stage/split choices at M = 4, 16, and 64x128 / 128x128 tiles with and without split-K vs "
                              "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes); r7: GEMV tiles at M = 1 on the "
-                             "engine's projection shapes, q|k|v, o, gate|up, down (r7_candidates); xperm: the TC "
-                             "default with x in order vs pre-permuted (time_xperm)")
+                             "engine's projection shapes, q|k|v, o, gate|up, down (r7_candidates)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
     args = parser.parse_args()
@@ -710,15 +668,6 @@ def main() -> None:
             for K, N in SHAPES:
                 for M in (1, 4, 16):
                     print_best(rows, K, N, M, top=3, width=40)
-        print_failed(rows, t_start)
-        return
-    if args.variants == "xperm":
-        report["command"] = "python benchmarks/bench_w4a16.py --variants xperm"
-        report["kernel_round"] = 7
-        report["xperm"] = rows = time_xperm(device)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
         print_failed(rows, t_start)
         return
     if args.variants == "r7":

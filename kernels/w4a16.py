@@ -863,7 +863,6 @@ if triton is not None:
         USE_ASM: tl.constexpr,  # TC_ASM: _tc_unpack_asm; TC: _tc_unpack_bits
         EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
         PERMUTE_K: tl.constexpr,  # W4A16Config.tc_perm: the weight tile's columns in MMA-fragment order (_tc_kperm_x)
-        X_PERMUTED: tl.constexpr = False,  # (measurement) x's columns already in that order in memory
     ):
         """``W4A16Algo.TC`` / ``TC_ASM``: program ``(tile, pid_k)`` computes ``out^T [BLOCK_N, BLOCK_M]`` of its tile
         over K slice ``pid_k`` as ``W^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]`` per K step (swap AB: the
@@ -922,7 +921,7 @@ if triton is not None:
                     xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :])
                 else:
                     xr = tl.load(x_ptr + rows_x[:, None] * stride_xm + kk[None, :], mask=kk[None, :] < K, other=0.0)
-                xt = tl.trans(xr) if X_PERMUTED else tl.trans(_tc_kperm_x(xr, BLOCK_M, BLOCK_K))
+                xt = tl.trans(_tc_kperm_x(xr, BLOCK_M, BLOCK_K))
             elif EVEN_K:
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=mask_m[None, :], other=0.0)
             else:
@@ -1241,7 +1240,7 @@ def _launch_gemv(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Co
     return out
 
 
-def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Config, x_permuted: bool = False) -> torch.Tensor:
+def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Config) -> torch.Tensor:
     """``w4a16_matmul``'s launch of ``W4A16Algo.TC`` / ``TC_ASM`` (other arguments validated there): ``[M, N]`` out.
 
     Raises:
@@ -1266,8 +1265,7 @@ def _launch_tc(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Conf
         x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks, M, N, K, x.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_ASM=cfg.algo == W4A16Algo.TC_ASM,
-        EVEN_K=K % cfg.block_k == 0, PERMUTE_K=cfg.tc_perm, X_PERMUTED=x_permuted, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        EVEN_K=K % cfg.block_k == 0, PERMUTE_K=cfg.tc_perm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
