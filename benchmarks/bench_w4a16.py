@@ -455,7 +455,7 @@ def r7_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
     (``biased_fma=15``, no hand prefetch) with whole-group steps and 16 warps, one program per SM, which beat the
     default of then on the fused q|k|v shape (4096x6144: 8.6 vs 10.0 us) in the round's first sweep, its neighbours
     and the square and wide/tall rules' tiles.
-    The round's other GEMV variants lost on every shape and were removed (``default_config``'s NOTE)."""
+    The round's other GEMV variants lost on every shape and were removed (``_gemv_kernel_fn``'s NOTE)."""
     out = []
     for bn, bk, w, per_sm in ((2048, 128, 16, 1), (2048, 64, 16, 1), (2048, 128, 8, 1), (1024, 128, 16, 1),
                               (1024, 128, 8, 2), (4096, 128, 16, 1), (1024, 64, 8, 2), (2048, 64, 8, 2)):

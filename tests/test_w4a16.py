@@ -283,8 +283,9 @@ def test_custom_op_is_one_node_under_torch_compile():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (real-size check)")
-@pytest.mark.parametrize("M,K,N,algo", [(1, 4096, 4096, A.GEMV), (1, 4096, 6144, A.GEMV), (4, 4096, 4096, A.TC_ASM), (16, 4096, 4096, A.TC_ASM),
-                                         (256, 4096, 4096, A.DEQUANT_MATMUL), (64, 4096, 14336, A.TC_ASM),
+@pytest.mark.parametrize("M,K,N,algo", [(1, 4096, 4096, A.GEMV), (1, 4096, 6144, A.GEMV), (4, 4096, 4096, A.TC_ASM),
+                                         (16, 4096, 4096, A.TC_ASM), (256, 4096, 4096, A.DEQUANT_MATMUL),
+                                         (64, 4096, 14336, A.TC_ASM),
                                          (33, 4096, 14336, A.TC_ASM), (64, 14336, 4096, A.TC_ASM),
                                          (40, 14336, 4096, A.TC_ASM), (64, 4096, 4096, A.DEQUANT_MATMUL)])
 def test_kernel_real_size_cuda(M, K, N, algo):
