@@ -245,10 +245,15 @@ def main() -> None:
                     help="with --fuse both: one-layer models checked by fusion_check first (e.g. llama-3-8b qwen2.5-7b)")
     ap.add_argument("--gemv", action="store_true", help="also time the cuBLAS projections (part 2)")
     ap.add_argument("--quantization", choices=["gptq", "awq"], default=None,
-                    help="random 4-bit group-128 weights of that format (build_model) instead of bf16")
+                    help="random 4-bit group-128 weights of that format (build_model) instead of bf16, for the engine "
+                         "profiles (part 1); --gemv and the --fuse both check stay bf16")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode needs a CUDA GPU")
+    import triton
+
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__}
+              "torch": torch.__version__, "triton": triton.__version__, "args": vars(args)}
     report["gemv"] = gemv_table() if args.gemv else []
     print(f"{'M':>4} {'proj':<14} {'us':>8} {'TB/s':>6}")
     for r in report["gemv"]:

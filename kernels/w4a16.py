@@ -1148,7 +1148,7 @@ def w4a16_matmul(
         config: a ``W4A16Config``; default ``default_config(...)``.
 
     Returns:
-        ``[M, N]`` in ``x.dtype``.
+        ``[M, N]`` in ``x.dtype`` (empty, with no launch, when ``M`` or ``N`` is 0).
 
     Raises:
         ValueError: a wrong dtype, device, shape or stride (the offending tensor is named), a config
@@ -1180,6 +1180,8 @@ def w4a16_matmul(
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if M == 0 or N == 0:  # nothing to compute (torch.matmul's empty result; no kernel takes an empty grid)
+        return x.new_empty((M, N))
     cfg = config or default_config(M, N, K, group_size, x.device, bits, x.dtype)
     if cfg.block_k % pack:
         raise ValueError(f"config.block_k={cfg.block_k} must be a multiple of {pack}")

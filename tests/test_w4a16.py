@@ -17,6 +17,7 @@ from paged_transformers.kernels import w4a16 as k  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+DTYPE_X = torch.bfloat16 if HAS_CUDA else torch.float32  # the interpreter runs fp32 x; CUDA fp16/bf16
 
 
 def random_layer(K, N, bits, group_size, device=DEVICE, seed=0):
@@ -205,6 +206,17 @@ def test_config_validation():
     assert k.split_k_for(num_tiles=32, k_iters=32, num_sms=132) == 17
     assert k.split_k_for(num_tiles=1000, k_iters=32, num_sms=132) == 1
     assert k.split_k_for(num_tiles=1, k_iters=8, num_sms=132) == 8
+
+
+def test_empty_batch_gives_empty_output():
+    # M = 0 (an empty batch) and N = 0: torch.matmul's empty result, not a launch over an empty grid
+    _, qweight, scales, zeros = random_layer(128, 32, 4, 64)
+    out = k.w4a16_matmul(torch.randn(0, 128, device=DEVICE).to(DTYPE_X), qweight, scales, zeros, 4, 64)
+    assert out.shape == (0, 32) and out.dtype == DTYPE_X
+    empty = torch.zeros(16, 0, dtype=torch.int32, device=DEVICE)
+    out = k.w4a16_matmul(torch.randn(2, 128, device=DEVICE).to(DTYPE_X), empty, scales[:, :0].contiguous(),
+                         zeros[:, :0].contiguous(), 4, 64)
+    assert out.shape == (2, 0)
 
 
 def test_kernel_rejects_bad_arguments():
@@ -396,9 +408,15 @@ def test_tc_cuda(algo, perm, dtype):
     # --variants tc2's large tiles: several M tiles, and split-K (the bench's next experiment)
     (200, 4096, 1024, 128, k.W4A16Config(128, 128, 128, 1, 8, 3, A.TC_ASM, tc_perm=True)),
     (200, 4096, 1024, 128, k.W4A16Config(64, 128, 128, 5, 8, 3, A.TC_ASM, tc_perm=True)),
+    # the tall 17 <= M <= 64 default (round 7: split-K), off the grid: a part-filled row tile, per-channel K % 128 != 0,
+    # N % 128 != 0, with bias; and the config default_config picks for it
+    (40, 4104, 1000, 4104, k.W4A16Config(64, 128, 128, 33, 8, 3, A.TC_ASM, tc_perm=True)),
+    (17, 14336, 4096, 128, None),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
+    if cfg is None:
+        assert str(k.default_config(M, N, K, group_size, DEVICE, dtype=dtype)).startswith("tc_asm 64x128x128")
     _, qweight, scales, zeros = random_layer(K, N, 4, group_size)
     x = torch.randn(M, K, device=DEVICE, dtype=dtype)
     bias = torch.randn(N, device=DEVICE, dtype=dtype)
