@@ -396,9 +396,10 @@ def time_tc2_variants(device, report: dict, out_path: str | None, budget_s: floa
 
 def time_variants(device, report: dict, out_path: str | None, key: str, ms, candidates,
                   budget_s: float = float("inf"), shapes=SHAPES) -> list[dict]:
-    """At each M of ``ms`` on the three shapes: bf16 matmul, the default config and every ``candidates(M, N, K,
-    sms)`` config, each checked against ``w4a16_matmul_ref`` on the timed layer (and, for the first TC config of
-    each (tile, split-K or not), on ``_tc_extra_checks``' off-grid cases) before it is timed on the graph clock.
+    """At each M of ``ms`` on ``shapes``: bf16 matmul, the default config and every ``candidates(M, N, K, sms)``
+    config, each checked against ``w4a16_matmul_ref`` on the timed layer (and on ``_off_grid_errors``' cases: for
+    the first TC config of each (tile, split-K or not), and for every GEMV candidate) before it is timed on the
+    graph clock.
     Configs left when ``budget_s`` seconds have passed are recorded as skipped; ``report[key]`` (the rows so far) is
     written to ``out_path`` after each shape, in case the run is cut short. ``shapes``: ``(K, N)`` pairs."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -424,9 +425,9 @@ def time_variants(device, report: dict, out_path: str | None, key: str, ms, cand
                     key = (c.algo, c.block_m, c.block_n, c.split_k > 1)
                     if c.algo in (k.W4A16Algo.TC, k.W4A16Algo.TC_ASM) and key not in checked:
                         checked.add(key)
-                        err = max([err] + _tc_extra_checks(c, M, device))
+                        err = max([err] + _off_grid_errors(c, M, device))
                     elif c.algo == k.W4A16Algo.GEMV and cfg is not None:
-                        err = max([err] + _gemv_extra_checks(c, device))
+                        err = max([err] + _off_grid_errors(c, M, device))
                     if not err < 1e-2:
                         raise AssertionError(f"rel_err {err:.3g}")
                     g_us = graph_time_ms(lambda i, cfg=cfg: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)) * 1e3
@@ -480,25 +481,17 @@ def print_tc2_table(rows: list[dict]) -> None:
                   f"{b['speedup']:7.2f}  {target}")
 
 
-def _gemv_extra_checks(cfg: k.W4A16Config, device) -> list[float]:
-    """Relative errors of a GEMV ``cfg`` off the timed grid: per-channel K = 4104 with N = 1000 and a bias (masked
-    along K and N), and fp16 x with groups of 32."""
+def _off_grid_errors(cfg: k.W4A16Config, M: int, device) -> list[float]:
+    """Relative errors of ``cfg`` off the timed grid, each case against ``w4a16_matmul_ref``: per-channel K = 4104
+    (K % BLOCK_K != 0) with N = 1000 (N % BLOCK_N != 0) and a bias, then fp16 x; for the GEMV (M = 1) with groups of
+    32, for the others at N = 1024 and again at M = 2 * BLOCK_M + 3 (several M tiles)."""
+    if cfg.algo == k.W4A16Algo.GEMV:
+        cases = ((4104, 1000, 4104, torch.bfloat16, 1, True), (4096, 1000, 32, torch.float16, 1, False))
+    else:
+        cases = ((4104, 1000, 4104, torch.bfloat16, M, True), (4096, 1024, 128, torch.float16, M, False),
+                 (4096, 1024, 128, torch.bfloat16, 2 * cfg.block_m + 3, False))
     errs = []
-    for K, N, G, dtype, bias in ((4104, 1000, 4104, torch.bfloat16, True), (4096, 1000, 32, torch.float16, False)):
-        q = random_layer(K, N, 4, G, device)
-        x = torch.randn(1, K, device=device, dtype=dtype)
-        b = torch.randn(N, device=device, dtype=dtype) if bias else None
-        out = k.w4a16_matmul(x, *q, 4, G, bias=b, config=cfg)
-        errs.append(rel_err(out, k.w4a16_matmul_ref(x.float(), *q, 4, G, bias=None if b is None else b.float())))
-    return errs
-
-
-def _tc_extra_checks(cfg: k.W4A16Config, M: int, device) -> list[float]:
-    """Relative errors of ``cfg`` off the timed grid: per-channel K = 4104 (K % BLOCK_K != 0) with N = 1000
-    (N % BLOCK_N != 0) and a bias, fp16 x, and M = 2 * BLOCK_M + 3 (several M tiles)."""
-    errs = []
-    for K, N, G, dtype, m, bias in ((4104, 1000, 4104, torch.bfloat16, M, True), (4096, 1024, 128, torch.float16, M, False),
-                                    (4096, 1024, 128, torch.bfloat16, 2 * cfg.block_m + 3, False)):
+    for K, N, G, dtype, m, bias in cases:
         q = random_layer(K, N, 4, G, device)
         x = torch.randn(m, K, device=device, dtype=dtype)
         b = torch.randn(N, device=device, dtype=dtype) if bias else None
