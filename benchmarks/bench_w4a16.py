@@ -8,6 +8,7 @@ Usage (GPU)::
     python benchmarks/bench_w4a16.py --variants tc --out benchmarks/results/w4a16_h200_round5_tc.json  # M = 1, 4, 16
     python benchmarks/bench_w4a16.py --variants tc2 --out benchmarks/results/w4a16_h200_round7_tc2.json  # M = 4-256
     python benchmarks/bench_w4a16.py --variants r7 --out benchmarks/results/w4a16_h200_round7.json  # M = 1
+    python benchmarks/bench_w4a16.py --variants floor --out benchmarks/results/w4a16_h200_round8_floor.json  # M = 1
     python benchmarks/bench_w4a16.py --sass  # no GPU: SASS instructions per weight of the DOT / TC kernels (sm_90)
 
 1. Correctness: ``w4a16_matmul`` vs ``w4a16_matmul_ref`` (both from ``paged_transformers.kernels.w4a16``)
@@ -465,6 +466,97 @@ def r7_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
     return out
 
 
+FLOOR_SHAPES = SHAPES + [(4096, 6144), (4096, 28672)]  # the issue's shapes, then the engine's other two projections
+ENGINE_PROJECTIONS = {"q|k|v": (4096, 6144), "o": (4096, 4096), "gate|up": (4096, 28672), "down": (14336, 4096)}
+
+
+def floor_candidates(N: int, K: int, sms: int) -> list[tuple[int, int, int, int]]:
+    """``--variants floor`` grids of the read-only kernel (``benchmarks/read_floor.py``) as ``(block_n, bkp, split_k,
+    num_warps)``: 512-2048 columns, 8 or 16 packed rows per load, 1-8 programs per SM, 4 or 8 warps."""
+    out = []
+    for bn in (512, 1024, 2048):
+        for bkp in (8, 16):
+            for per_sm in (1, 2, 4, 8):
+                split = k.split_k_for(-(-N // bn), -(-K // (8 * bkp)), sms, per_sm)
+                for w in (4, 8):
+                    out.append((bn, bkp, split, w))
+    return list(dict.fromkeys(out))
+
+
+def time_floor(device, report: dict, out_path: str | None) -> list[dict]:
+    """``--variants floor`` (issue 7, round 8): at M = 1 on ``FLOOR_SHAPES``, bf16 ``torch.matmul``, the default
+    W4A16 config (checked against ``w4a16_matmul_ref``) and the read-only kernel on every ``floor_candidates`` grid
+    and on the default GEMV's own grid (each checked by its checksum first), all on the graph clock with rotating
+    weights. ``report["floor"]`` is written to ``out_path`` after each shape."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("read_floor", pathlib.Path(__file__).with_name("read_floor.py"))
+    rf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rf)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = report["floor"] = []
+    t0 = time.perf_counter()
+    for K, N in FLOOR_SHAPES:
+        int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, device)
+        xs = [torch.randn(1, K, device=device, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
+        bf16_us = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
+        default = k.default_config(1, N, K, GROUP, device)
+        err = rel_err(k.w4a16_matmul(xs[0], *qsets[0], 4, GROUP), k.w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, GROUP))
+        if not err < 1e-2:
+            raise AssertionError(f"default config rel_err {err:.3g} on {K}x{N}")
+        gemv_us = graph_time_ms(lambda i: k.w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP)) * 1e3
+        base = dict(K=K, N=N, M=1, bf16_graph_us=bf16_us, int4_bytes=int4_bytes)
+        rows.append(dict(base, kind="gemv default", used=str(default), graph_us=gemv_us, rel_err=err))
+        own = (default.block_n, default.block_k // 8, default.split_k, default.num_warps)
+        for grid in [own] + [g for g in floor_candidates(N, K, sms) if g != own]:
+            bn, bkp, split, w = grid
+            label = f"floor {bn}x{bkp * 8} split{split} w{w}"
+            try:
+                q, s, z = qsets[0]
+                got = int(rf.read_floor(q, s, z, GROUP, bn, bkp, split, w).to(torch.int64).sum()) % 2**32
+                if got != rf.checksum_ref(q, s, z, GROUP, split, bkp):
+                    raise AssertionError("checksum mismatch: the kernel skipped or repeated bytes")
+                g_us = graph_time_ms(lambda i: rf.read_floor(*qsets[i % n_q], GROUP, bn, bkp, split, w)) * 1e3
+            except Exception as e:  # noqa: BLE001 (record and go on: one call of device time)
+                rows.append(dict(base, kind="floor", used=label, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                print("  floor failed", label, rows[-1]["error"], flush=True)
+                continue
+            rows.append(dict(base, kind="floor (default grid)" if grid == own else "floor", used=label, graph_us=g_us,
+                             int4_tb_s=int4_bytes / g_us / 1e6))
+            print(f"  K={K:5d} N={N:5d} {label:32s} {g_us:6.1f} us  {int4_bytes / g_us / 1e6:4.2f} TB/s  "
+                  f"(gemv {gemv_us:.1f}, bf16 {bf16_us:.1f}; {time.perf_counter() - t0:.0f} s)", flush=True)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=1)
+    return rows
+
+
+def print_floor_table(rows: list[dict]) -> None:
+    """Per shape: bf16, the time the issue's target allows, the best read-only time, the read-only time on the
+    GEMV's own grid, the GEMV; then the engine's four projections summed over 32 layers."""
+    print("K x N        bf16 us  target us  read floor us (grid)                  floor, GEMV grid  GEMV us  GEMV/floor")
+    best = {}
+    for K, N in FLOOR_SHAPES:
+        rs = [r for r in rows if r["K"] == K and r["N"] == N and "graph_us" in r]
+        gemv = next((r for r in rs if r["kind"] == "gemv default"), None)
+        floors = [r for r in rs if r["kind"].startswith("floor")]
+        if not gemv or not floors:
+            continue
+        b = min(floors, key=lambda r: r["graph_us"])
+        own = next((r["graph_us"] for r in floors if r["kind"] == "floor (default grid)"), float("nan"))
+        best[(K, N)] = (b["graph_us"], gemv["graph_us"])
+        target = TARGET_SMALL_M.get((K, N))
+        ttxt = f"{gemv['bf16_graph_us'] / target:9.1f}" if target else f"{'-':>9s}"
+        print(f"{K:5d}x{N:<5d} {gemv['bf16_graph_us']:8.1f} {ttxt}  {b['graph_us']:6.1f} ({b['used'][6:]:28s})  "
+              f"{own:10.1f}  {gemv['graph_us']:8.1f}  {gemv['graph_us'] / b['graph_us']:6.2f}")
+    if all(s in best for s in ENGINE_PROJECTIONS.values()):
+        f = sum(best[s][0] for s in ENGINE_PROJECTIONS.values()) * 32
+        g = sum(best[s][1] for s in ENGINE_PROJECTIONS.values()) * 32
+        print(f"engine projections x 32 layers (batch-1 decode step): GEMVs {g:.0f} us, read floor {f:.0f} us, "
+              f"at most {g - f:.0f} us to gain")
+
+
 def print_tc2_table(rows: list[dict]) -> None:
     """One line per (shape, M): the default's and the best config's us, bf16's, both ratios and the target."""
     print("K x N        M  default us  best us  best config                                        bf16 us  x(def) x(best) target")
@@ -613,12 +705,13 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
     parser.add_argument("--no-e2e", action="store_true")
-    parser.add_argument("--variants", choices=["gemv", "tc", "tc2", "r7"], default=None,
+    parser.add_argument("--variants", choices=["gemv", "tc", "tc2", "r7", "floor"], default=None,
                         help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
                              "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: TC_ASM "
                              "tile/stage/split choices at M = 4, 16, and 64x128 / 128x128 tiles with and without split-K vs "
                              "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes); r7: GEMV tiles at M = 1 on the "
-                             "engine's projection shapes, q|k|v, o, gate|up, down (r7_candidates)")
+                             "engine's projection shapes, q|k|v, o, gate|up, down (r7_candidates); floor: at M = 1, the "
+                             "read-only kernel of read_floor.py vs the GEMV and bf16 (about 2 minutes)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
     args = parser.parse_args()
@@ -673,6 +766,17 @@ def main() -> None:
         print("\nus per call (CUDA-graph clock, rotating weights); x = bf16 / W4A16; TB/s = int4 + scale/zero bytes")
         for K, N in E2E_SHAPES:
             print_best(rows, K, N, 1, top=4, width=48)
+        print_failed(rows, t_start)
+        return
+    if args.variants == "floor":
+        report["command"] = "python benchmarks/bench_w4a16.py --variants floor"
+        report["kernel_round"] = 8
+        rows = time_floor(device, report, args.out)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        print("\nM = 1, us per call (CUDA-graph clock, rotating weights); target us = bf16 us / the issue's ratio")
+        print_floor_table(rows)
         print_failed(rows, t_start)
         return
     if args.variants == "gemv":
