@@ -8,6 +8,7 @@ Usage (GPU)::
     python benchmarks/bench_w4a16.py --variants tc --out benchmarks/results/w4a16_h200_round5_tc.json  # M = 1, 4, 16
     python benchmarks/bench_w4a16.py --variants tc2 --out benchmarks/results/w4a16_h200_round7_tc2.json  # M = 4-256
     python benchmarks/bench_w4a16.py --variants r7 --out benchmarks/results/w4a16_h200_round7.json  # M = 1
+    python benchmarks/bench_w4a16.py --variants r8 --out benchmarks/results/w4a16_h200_round8_gemv.json  # M = 1
     python benchmarks/bench_w4a16.py --variants floor --out benchmarks/results/w4a16_h200_round8_floor.json  # M = 1
     python benchmarks/bench_w4a16.py --sass  # no GPU: SASS instructions per weight of the DOT / TC kernels (sm_90)
 
@@ -557,6 +558,20 @@ def print_floor_table(rows: list[dict]) -> None:
               f"at most {g - f:.0f} us to gain")
 
 
+def r8_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
+    """``--variants r8`` candidates (issue 7, round 8), M = 1 only, on the engine's projection shapes: the GEMV
+    (``biased_fma=15``) on the grids where ``--variants floor`` read the weight fastest, 256-1024 columns on 2-8 warps
+    at 4-16 programs per SM (the default holds 64 words per thread and step in 120 registers, so 2 programs of 8 warps
+    fit an SM; 32 words per thread compile to 48 registers on sm_90, triton 3.9)."""
+    out = []
+    for bn, bk, w, per_sm in ((512, 64, 4, 8), (512, 64, 4, 6), (512, 64, 4, 4), (512, 64, 4, 10), (512, 32, 4, 8),
+                              (512, 128, 4, 8), (256, 64, 2, 8), (256, 64, 2, 16), (256, 32, 2, 16), (1024, 64, 4, 4),
+                              (1024, 32, 4, 8), (1024, 64, 8, 4), (512, 64, 2, 8)):
+        split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
+        out.append(k.W4A16Config(1, bn, bk, split, w, 1, A.GEMV, biased_fma=15))
+    return list(dict.fromkeys(out))
+
+
 def print_tc2_table(rows: list[dict]) -> None:
     """One line per (shape, M): the default's and the best config's us, bf16's, both ratios and the target."""
     print("K x N        M  default us  best us  best config                                        bf16 us  x(def) x(best) target")
@@ -705,12 +720,13 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
     parser.add_argument("--no-e2e", action="store_true")
-    parser.add_argument("--variants", choices=["gemv", "tc", "tc2", "r7", "floor"], default=None,
+    parser.add_argument("--variants", choices=["gemv", "tc", "tc2", "r7", "r8", "floor"], default=None,
                         help="gemv: only the M = 1 GEMV candidates vs the default (about 2 minutes); tc: the "
                              "tensor-core W4A16Algo.TC/TC_ASM candidates vs the default at M = 1, 4, 16; tc2: TC_ASM "
                              "tile/stage/split choices at M = 4, 16, and 64x128 / 128x128 tiles with and without split-K vs "
                              "DEQUANT_MATMUL at M = 32, 64, 256 (about 2-3 minutes); r7: GEMV tiles at M = 1 on the "
-                             "engine's projection shapes, q|k|v, o, gate|up, down (r7_candidates); floor: at M = 1, the "
+                             "engine's projection shapes, q|k|v, o, gate|up, down (r7_candidates); r8: the same with "
+                             "r8_candidates; floor: at M = 1, the "
                              "read-only kernel of read_floor.py vs the GEMV and bf16 (about 2 minutes)")
     parser.add_argument("--sass", action="store_true",
                         help="no GPU: compile the M <= 16 kernels for sm_90 and count SASS instructions per weight")
@@ -756,10 +772,11 @@ def main() -> None:
                     print_best(rows, K, N, M, top=3, width=40)
         print_failed(rows, t_start)
         return
-    if args.variants == "r7":
-        report["command"] = "python benchmarks/bench_w4a16.py --variants r7"
-        report["kernel_round"] = 7
-        rows = time_variants(device, report, args.out, "r7", (1,), r7_candidates, shapes=E2E_SHAPES)
+    if args.variants in ("r7", "r8"):
+        report["command"] = f"python benchmarks/bench_w4a16.py --variants {args.variants}"
+        report["kernel_round"] = int(args.variants[1])
+        candidates = r7_candidates if args.variants == "r7" else r8_candidates
+        rows = time_variants(device, report, args.out, args.variants, (1,), candidates, shapes=E2E_SHAPES)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
