@@ -561,12 +561,13 @@ def print_floor_table(rows: list[dict]) -> None:
 def r8_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
     """``--variants r8`` candidates (issue 7, round 8), M = 1 only, on the engine's projection shapes: the GEMV
     (``biased_fma=15``) on the grids where ``--variants floor`` read the weight fastest, 256-1024 columns on 2-8 warps
-    at 4-16 programs per SM (the default holds 64 words per thread and step in 120 registers, so 2 programs of 8 warps
-    fit an SM; 32 words per thread compile to 48 registers on sm_90, triton 3.9)."""
+    at 4-16 programs per SM (round 7's 2048x64 tiles on 8 warps hold 64 words per thread and step in 120 registers, so
+    2 programs fit an SM; 32 words per thread compile to 48 registers on sm_90, triton 3.9), and round 7's rules.
+    The round-8 rule (512x64 on 2 warps, 8 per SM) is the default now."""
     out = []
     for bn, bk, w, per_sm in ((512, 64, 4, 8), (512, 64, 4, 6), (512, 64, 4, 4), (512, 64, 4, 10), (512, 32, 4, 8),
                               (512, 128, 4, 8), (256, 64, 2, 8), (256, 64, 2, 16), (256, 32, 2, 16), (1024, 64, 4, 4),
-                              (1024, 32, 4, 8), (1024, 64, 8, 4), (512, 64, 2, 8)):
+                              (1024, 32, 4, 8), (1024, 64, 8, 4), (512, 64, 2, 8), (2048, 64, 8, 2), (1024, 64, 8, 2)):
         split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
         out.append(k.W4A16Config(1, bn, bk, split, w, 1, A.GEMV, biased_fma=15))
     return list(dict.fromkeys(out))

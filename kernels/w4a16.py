@@ -1041,9 +1041,9 @@ def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device, bits: int = 4,
                    dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
     """The launch configuration used when none is given, as rules on the shape: the fastest of the H200 sweeps
-    of issue 7 (group 128, bf16; M = 1: round 4, ``bench_w4a16.py --variants gemv``, and round 7, ``--variants r7``;
-    M = 2-16 on CUDA: round 5, ``--variants tc``; M = 17-64 on CUDA: rounds 6 and 7, ``--variants tc2``; otherwise
-    round 1, re-timed in round 3).
+    of issue 7 (group 128, bf16; M = 1: round 4, ``bench_w4a16.py --variants gemv``, and rounds 7 and 8, ``--variants
+    r7`` / ``r8``; M = 2-16 on CUDA: round 5, ``--variants tc``; M = 17-64 on CUDA: rounds 6 and 7, ``--variants
+    tc2``; otherwise round 1, re-timed in round 3).
 
     A weight is *square* when neither side is twice the other (4096 x 4096), *wide* when
     ``N >= 2K`` (gate/up projections, 4096 x 14336) and *tall* when ``K >= 2N`` (down projection,
@@ -1055,12 +1055,11 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     ========  ========================================  ===============================================
     M         square (4096 x 4096)                      wide (4096 x 14336) / tall (14336 x 4096)
     ========  ========================================  ===============================================
-    1         GEMV 1x1024x64 ``biased_fma=15``, 8       GEMV 1x2048x64 ``biased_fma=15``, 8 warps,
-              warps, 2 per SM: 7.0 us (bf16 12.5,       2 per SM: 13.5 us (30.6, 2.27x) /
-              1.80x); with N > K (the fused q|k|v,      13.7 us (31.4, 2.29x); round 3: 18.0 / 17.8
-              4096 x 6144) the wide tiles: 8.6 us vs
-              10.0 with these (round 7, ``--variants
-              r7``)
+    1         GEMV 1x512x64 ``biased_fma=15``, 2        the same: 13.6 us (30.4, 2.24x) / 13.6 us
+              warps, 8 per SM (round 8, ``--variants    (30.9, 2.27x); round 7's 2048-column tiles
+              r8``): 7.1 us (bf16 13.2, 1.85x); the     13.5 / 13.7; round 3: 18.0 / 17.8
+              fused q|k|v (4096 x 6144) 7.8 us, round
+              7's 2048-column tiles 8.7
     2 - 16    TC_ASM 16x64x128 ``tc_perm``, 4 per SM,   the same: 22.6 (30.1, 1.33x) / 21.3 (31.5, 1.48x)
               3 stages (round 5, ``--variants tc``):    at M = 4; 21.8 (30.3, 1.39x) / 21.0 (32.2,
               9.6 us at M = 16 (bf16 13.2, 1.38x)       1.53x) at M = 16
@@ -1108,8 +1107,8 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     wide, tall = N >= 2 * K, K >= 2 * N
     k_iters = -(-K // 128)
     if M == 1 and group_size % 8 == 0:  # a group of whole int32 words for 4 and 8 bits (the GEMV's layout)
-        bn = 2048 if N > K or tall else 1024  # N > K: wide, and the fused q|k|v of GQA models (round 7)
-        return W4A16Config(1, bn, 64, split_k_for(-(-N // bn), -(-K // 64), sms, 2), 8, 1, W4A16Algo.GEMV, biased_fma=15)
+        # round 8: one rule for every shape (docstring; 64 words per thread and step, as round 7's 2048x64 on 8 warps)
+        return W4A16Config(1, 512, 64, split_k_for(-(-N // 512), -(-K // 64), sms, 8), 2, 1, W4A16Algo.GEMV, biased_fma=15)
     tc = (device.type == "cuda" and bits == 4 and dtype in (torch.float16, torch.bfloat16)
           and (group_size % 128 == 0 or group_size == K))
     if M <= 16 and tc:
