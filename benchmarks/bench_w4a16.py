@@ -488,7 +488,8 @@ def time_floor(device, report: dict, out_path: str | None) -> list[dict]:
     """``--variants floor`` (issue 7, round 8): at M = 1 on ``FLOOR_SHAPES``, bf16 ``torch.matmul``, the default
     W4A16 config (checked against ``w4a16_matmul_ref``) and the read-only kernel on every ``floor_candidates`` grid
     and on the default GEMV's own grid (each checked by its checksum first), all on the graph clock with rotating
-    weights. ``report["floor"]`` is written to ``out_path`` after each shape."""
+    weights; last, ``empty_launch`` grids (the launch cost under the floor). ``report["floor"]`` is written to
+    ``out_path`` after each shape."""
     import importlib.util
     import pathlib
 
@@ -530,6 +531,10 @@ def time_floor(device, report: dict, out_path: str | None) -> list[dict]:
         if out_path:
             with open(out_path, "w") as f:
                 json.dump(report, f, indent=1)
+    for programs, w in ((1, 4), (264, 8), (1064, 4), (8 * sms, 2)):  # one program, 2 and 8 per SM
+        us = graph_time_ms(lambda i: rf.empty_launch(programs, w, device)) * 1e3
+        rows.append(dict(kind="empty launch", programs=programs, num_warps=w, graph_us=us))
+        print(f"  empty launch: {programs} programs of {w} warps {us:.2f} us", flush=True)
     return rows
 
 
@@ -539,7 +544,7 @@ def print_floor_table(rows: list[dict]) -> None:
     print("K x N        bf16 us  target us  read floor us (grid)                  floor, GEMV grid  GEMV us  GEMV/floor")
     best = {}
     for K, N in FLOOR_SHAPES:
-        rs = [r for r in rows if r["K"] == K and r["N"] == N and "graph_us" in r]
+        rs = [r for r in rows if r.get("K") == K and r.get("N") == N and "graph_us" in r]
         gemv = next((r for r in rs if r["kind"] == "gemv default"), None)
         floors = [r for r in rs if r["kind"].startswith("floor")]
         if not gemv or not floors:
@@ -556,6 +561,9 @@ def print_floor_table(rows: list[dict]) -> None:
         g = sum(best[s][1] for s in ENGINE_PROJECTIONS.values()) * 32
         print(f"engine projections x 32 layers (batch-1 decode step): GEMVs {g:.0f} us, read floor {f:.0f} us, "
               f"at most {g - f:.0f} us to gain")
+    for r in rows:
+        if r["kind"] == "empty launch":
+            print(f"empty launch, {r['programs']} programs of {r['num_warps']} warps: {r['graph_us']:.2f} us")
 
 
 def r8_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:

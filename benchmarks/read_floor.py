@@ -11,6 +11,8 @@ rows of the groups those packed rows touch, sums every word it read (int32, wrap
 checksum. ``checksum_ref`` is the sum of all those words, which the sum of the program checksums must equal (mod
 2**32), so a floor that skipped bytes would be caught.
 
+``empty_launch`` is the fixed cost under that floor: programs that read nothing and store their index.
+
 Layout (as ``paged_transformers.kernels.w4a16``, 4-bit)::
 
     qweight  int32 [K // 8, N]
@@ -88,3 +90,21 @@ def checksum_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
             continue
         total += int(sz[r0 // per_group: min(-(-r1 // per_group), scales.shape[0])].sum())
     return total % 2**32
+
+
+@triton.jit
+def _empty_kernel(out_ptr):
+    """One program: stores its index (nothing read)."""
+    pid = tl.program_id(0)
+    tl.store(out_ptr + pid, pid)
+
+
+def empty_launch(num_programs: int, num_warps: int, device: torch.device) -> torch.Tensor:
+    """Launch ``num_programs`` programs of ``num_warps`` warps that only store their index: the launch and
+    completion cost of a grid of that size, with no memory traffic to speak of.
+
+    Returns: int32 ``[num_programs]``, ``0 .. num_programs - 1``.
+    """
+    out = torch.empty(num_programs, dtype=torch.int32, device=device)
+    _empty_kernel[(num_programs,)](out, num_warps=num_warps)
+    return out

@@ -1,6 +1,6 @@
 """``benchmarks/read_floor.py``, the read-only kernel behind ``bench_w4a16.py --variants floor``: its program
 checksums add up to ``checksum_ref`` (every packed word once, each group's scale and zero rows once per split that
-touches them), so the floor it times cannot skip bytes. Runs in Triton's interpreter without CUDA."""
+touches them), so the floor it times cannot skip bytes; and ``empty_launch``, the launch cost under it. Runs in Triton's interpreter without CUDA."""
 
 import importlib.util
 import pathlib
@@ -49,3 +49,7 @@ def test_bad_group():
     q, s, z = _layer(64, 32, 64)
     with pytest.raises(ValueError, match="group_size must be a multiple of 8, got 12"):
         read_floor.read_floor(q, s, z, 12, 32, 2, 1, num_warps=1)
+
+
+def test_empty_launch_runs_every_program():
+    assert read_floor.empty_launch(5, 1, DEVICE).tolist() == [0, 1, 2, 3, 4]
