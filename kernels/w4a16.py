@@ -689,7 +689,14 @@ if triton is not None:
         slower, ``w4a16_h200_round7_defer.json``), and one 16- or 32-warp program per SM (equal or slower, except the
         2048x128 tiles on 4096 x 6144, which the wide tiles match: ``w4a16_h200_round7_tiles16w.json``). Launched
         as a programmatic dependent launch (the first tile prefetched to L2 before ``gdc_wait``; commit 942669a), the
-        engine's batch-1 GPTQ step went from 2.57 to 2.84 ms (``profile_decode_h200_gptq_pdl.json``)."""
+        engine's batch-1 GPTQ step went from 2.57 to 2.84 ms (``profile_decode_h200_gptq_pdl.json``).
+
+        NOTE (round 8, ``bench_w4a16.py --variants floor`` / ``r8``, ``w4a16_h200_round8_{floor,gemv}*.json``): a kernel
+        that only reads the same bytes on the same kind of grid (``benchmarks/read_floor.py``) takes 4.6 / 9.6 / 9.8 us
+        at best on 4096 x 4096 / 4096 x 14336 / 14336 x 4096; this GEMV takes 1.38-1.53x that. Its time does not follow
+        the grid's read time: on 4096 x 14336 the pure read takes 9.6 us on 512x64 tiles at 8 programs per SM and
+        11.9 on round 7's 2048x64 tiles at 2, where the GEMV takes 14.1 and 13.5. What is left is the per-weight work
+        (``_gemv_step_biased``: a LOP3 and an FFMA per weight, a shift per two), not the loads."""
         PACK: tl.constexpr = 32 // BITS
         tl.static_assert(BLOCK_K % PACK == 0)
         tl.static_assert(GROUP_SIZE % PACK == 0)
