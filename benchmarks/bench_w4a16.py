@@ -488,8 +488,8 @@ def time_floor(device, report: dict, out_path: str | None) -> list[dict]:
     """``--variants floor`` (issue 7, round 8): at M = 1 on ``FLOOR_SHAPES``, bf16 ``torch.matmul``, the default
     W4A16 config (checked against ``w4a16_matmul_ref``) and the read-only kernel on every ``floor_candidates`` grid
     and on the default GEMV's own grid (each checked by its checksum first), all on the graph clock with rotating
-    weights; last, ``empty_launch`` grids (the launch cost under the floor). ``report["floor"]`` is written to
-    ``out_path`` after each shape."""
+    weights; then ``library_reads`` of the same byte count; last, ``empty_launch`` grids (the launch cost under the
+    floor). ``report["floor"]`` is written to ``out_path`` after each shape."""
     import importlib.util
     import pathlib
 
@@ -528,6 +528,9 @@ def time_floor(device, report: dict, out_path: str | None) -> list[dict]:
                              int4_tb_s=int4_bytes / g_us / 1e6))
             print(f"  K={K:5d} N={N:5d} {label:32s} {g_us:6.1f} us  {int4_bytes / g_us / 1e6:4.2f} TB/s  "
                   f"(gemv {gemv_us:.1f}, bf16 {bf16_us:.1f}; {time.perf_counter() - t0:.0f} s)", flush=True)
+        for label, us in library_reads(int4_bytes, N, device).items():
+            rows.append(dict(base, kind="library read", used=label, graph_us=us, int4_tb_s=int4_bytes / us / 1e6))
+            print(f"  K={K:5d} N={N:5d} {label:44s} {us:6.1f} us  {int4_bytes / us / 1e6:4.2f} TB/s", flush=True)
         if out_path:
             with open(out_path, "w") as f:
                 json.dump(report, f, indent=1)
@@ -538,15 +541,30 @@ def time_floor(device, report: dict, out_path: str | None) -> list[dict]:
     return rows
 
 
+def library_reads(nbytes: int, N: int, device, l2_bytes: int = 50 * 2**20) -> dict[str, float]:
+    """The same byte count read by PyTorch's own kernels, us per call on the graph clock with buffers rotating over
+    >= 4x L2: cuBLAS's bf16 GEMV ``[1, R] @ [R, N]`` with ``R = ceil(nbytes / 2N)`` rows, and ``torch.sum`` of an int32
+    buffer of ``nbytes / 4`` elements. A check that ``read_floor``'s kernel is not a slow way to read those bytes."""
+    r = -(-nbytes // (2 * N))
+    n_sets = max(2, math.ceil(4 * l2_bytes / nbytes))
+    ws = [torch.randn(r, N, device=device, dtype=torch.bfloat16) for _ in range(n_sets)]
+    x = torch.randn(1, r, device=device, dtype=torch.bfloat16)
+    bufs = [torch.randint(-(2**31), 2**31, (nbytes // 4,), dtype=torch.int32, device=device) for _ in range(n_sets)]
+    out = {f"cuBLAS bf16 [1, {r}] @ [{r}, {N}]": graph_time_ms(lambda i: torch.matmul(x, ws[i % n_sets])) * 1e3,
+           f"torch.sum int32 [{nbytes // 4}]": graph_time_ms(lambda i: bufs[i % n_sets].sum()) * 1e3}
+    return out
+
+
 def print_floor_table(rows: list[dict]) -> None:
     """Per shape: bf16, the time the issue's target allows, the best read-only time, the read-only time on the
     GEMV's own grid, the GEMV; then the engine's four projections summed over 32 layers."""
-    print("K x N        bf16 us  target us  read floor us (grid)                  floor, GEMV grid  GEMV us  GEMV/floor")
+    print("K x N        bf16 us  target us  read floor us (grid)                  floor, GEMV grid  library read  GEMV us  GEMV/floor")
     best = {}
     for K, N in FLOOR_SHAPES:
         rs = [r for r in rows if r.get("K") == K and r.get("N") == N and "graph_us" in r]
         gemv = next((r for r in rs if r["kind"] == "gemv default"), None)
         floors = [r for r in rs if r["kind"].startswith("floor")]
+        lib = min((r["graph_us"] for r in rs if r["kind"] == "library read"), default=float("nan"))
         if not gemv or not floors:
             continue
         b = min(floors, key=lambda r: r["graph_us"])
@@ -555,7 +573,7 @@ def print_floor_table(rows: list[dict]) -> None:
         target = TARGET_SMALL_M.get((K, N))
         ttxt = f"{gemv['bf16_graph_us'] / target:9.1f}" if target else f"{'-':>9s}"
         print(f"{K:5d}x{N:<5d} {gemv['bf16_graph_us']:8.1f} {ttxt}  {b['graph_us']:6.1f} ({b['used'][6:]:28s})  "
-              f"{own:10.1f}  {gemv['graph_us']:8.1f}  {gemv['graph_us'] / b['graph_us']:6.2f}")
+              f"{own:10.1f}  {lib:12.1f}  {gemv['graph_us']:8.1f}  {gemv['graph_us'] / b['graph_us']:6.2f}")
     if all(s in best for s in ENGINE_PROJECTIONS.values()):
         f = sum(best[s][0] for s in ENGINE_PROJECTIONS.values()) * 32
         g = sum(best[s][1] for s in ENGINE_PROJECTIONS.values()) * 32

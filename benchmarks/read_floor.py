@@ -61,11 +61,17 @@ def read_floor(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             split_k: programs along K (each reads ``ceil(K // 8 / split_k)`` packed rows, a multiple of ``bkp``);
             num_warps: warps per program.
     Returns: int32 ``[split_k, ceil(N / block_n)]``.
-    Raises: ValueError: a group size that is not whole int32 words.
+    Raises: ValueError: a group size that is not whole int32 words or does not divide K, a block_n or bkp that is
+        not a power of two, or split_k < 1.
     """
-    if group_size % 8:
-        raise ValueError(f"group_size must be a multiple of 8, got {group_size}")
     kp, n = qweight.shape
+    if group_size <= 0 or group_size % 8 or (kp * 8) % group_size:
+        raise ValueError(f"group_size must be a positive multiple of 8 dividing K={kp * 8}, got {group_size}")
+    for name, v in (("block_n", block_n), ("bkp", bkp)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
     rows = -(-kp // split_k)
     rows = -(-rows // bkp) * bkp
     grid_n = -(-n // block_n)

@@ -45,10 +45,17 @@ def test_checksum_sees_a_changed_word():
     assert int(out.to(torch.int64).sum()) % 2**32 == (ref + 1) % 2**32
 
 
-def test_bad_group():
-    q, s, z = _layer(64, 32, 64)
-    with pytest.raises(ValueError, match="group_size must be a multiple of 8, got 12"):
-        read_floor.read_floor(q, s, z, 12, 32, 2, 1, num_warps=1)
+@pytest.mark.parametrize("group,block_n,bkp,split_k,match", [
+    (12, 32, 2, 1, "group_size must be a positive multiple of 8 dividing K=128, got 12"),
+    (48, 32, 2, 1, "dividing K=128, got 48"),
+    (64, 24, 2, 1, "block_n must be a power of two, got 24"),
+    (64, 32, 3, 1, "bkp must be a power of two, got 3"),
+    (64, 32, 2, 0, "split_k must be >= 1, got 0"),
+])
+def test_bad_arguments(group, block_n, bkp, split_k, match):
+    q, s, z = _layer(128, 32, 64)
+    with pytest.raises(ValueError, match=match):
+        read_floor.read_floor(q, s, z, group, block_n, bkp, split_k, num_warps=1)
 
 
 def test_empty_launch_runs_every_program():
