@@ -240,6 +240,42 @@ def test_tiny_golden_half_precision(name, dtype, models):
         assert teacher_forced_gap(model, prompt["input_ids"], want) < TOL[dtype], f"prompt {i}"
 
 
+@pytest.mark.parametrize("name", ["tiny-llama-gptq-4bit-g32-actorder-asym", "tiny-llama-gptq-8bit-g64", "tiny-qwen2-awq-4bit-g128-gemm"])
+def test_tiny_golden_on_the_kernel(name, monkeypatch):
+    """Every ``QuantLinear`` on the Triton W4A16 kernel with its default configs, against the goldens: the prompt's
+    rows (M > 1) and then each decode step alone (M = 1: the GEMV). With CUDA: fp16 on the GPU, where ``QuantLinear``
+    takes the kernel itself (its custom op, left as it is for the compiled layers). Without: fp32 under the
+    interpreter, with the reference that ``QuantLinear`` calls off CUDA swapped for the kernel (and its CPU weight
+    cache off), counting the calls."""
+    import paged_transformers.quantization.linear as quant_linear
+    from paged_transformers.kernels.w4a16 import w4a16_matmul
+
+    cuda = torch.cuda.is_available()
+    dtype, device = (torch.float16, "cuda") if cuda else (torch.float32, "cpu")
+    calls = {"M = 1": 0, "M > 1": 0}
+
+    def kernel(x, qweight, scales, zeros, bits, group_size, bias=None):
+        calls["M = 1" if x.shape[0] == 1 else "M > 1"] += 1
+        return w4a16_matmul(x, qweight, scales, zeros, bits, group_size, bias)
+
+    if not cuda:
+        monkeypatch.setattr(quant_linear, "w4a16_matmul_ref", kernel)
+    model = load_model(MODELS / name, dtype=dtype, device=device)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.cache_dequantized_on_cpu = False
+    g, tol, steps = golden(name), TOL[dtype], 4
+    ids, want, margins = g["prompts"][0]["input_ids"], g["greedy_new_tokens"][0][:steps], g["greedy_step_top2_margin"][0][:steps]
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids], device=device)).logits[0, -1].float().cpu()
+    top = torch.tensor([t for t, _ in g["last_logits_top50"][0]])
+    assert float((logits[top] - torch.tensor([v for _, v in g["last_logits_top50"][0]])).abs().max()) < tol
+    out = paged_generate(model, [ids], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
+    assert_tokens_match(list(out[0].outputs[0].token_ids), want, margins, tol, "paged_generate on the kernel")
+    if not cuda:
+        assert calls["M = 1"] > 0 and calls["M > 1"] > 0, calls
+
+
 # -- goldens: SmolLM2 ----------------------------------------------------------------------------------
 
 
