@@ -1,9 +1,10 @@
 """The read floor of a W4A16 layer: how long a kernel takes that only *reads* the bytes a W4A16 GEMV must read
-(packed weight, scales, zero points) and does nothing else, on the same split-K grid as the GEMV.
+(packed weight, scales, zero points) and does nothing else, on a split-K grid like the GEMV's.
 
-Any M = 1 W4A16 kernel of this grid form needs at least this time: it reads the same bytes and also dequantizes,
-multiplies, reduces and writes. ``bench_w4a16.py --variants floor`` times it next to the GEMV and bf16
-``torch.matmul`` to show how much of the GEMV's time is the read itself (issue 7).
+A GEMV on such a grid reads the same bytes and also dequantizes, multiplies, reduces and writes, so this is as fast as
+it could be; it is the fastest read of those bytes we found, not a proven hardware bound (cuBLAS reading as many
+bytes is slower: BENCHMARKS.md, issue 7, round 8). ``bench_w4a16.py --variants floor`` times it next to the GEMV and
+bf16 ``torch.matmul`` to show how much of the GEMV's time is the read itself.
 
 The kernel: program ``(pid_n, pid_k)`` reads packed rows ``[pid_k * rows_per_split, ...)`` of columns
 ``pid_n * BLOCK_N + [0, BLOCK_N)`` in steps of ``BKP`` rows (16-byte loads along N), then the scale and zero-point
@@ -51,6 +52,11 @@ def _read_floor_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, KP, G, ROWS_PER_SPLIT, 
     tl.store(out_ptr + pid_k * tl.num_programs(0) + pid_n, total)
 
 
+def _rows_per_split(kp: int, split_k: int, bkp: int) -> int:
+    """Packed rows each split reads: ``ceil(kp / split_k)`` rounded up to a whole number of ``bkp``-row steps."""
+    return -(-(-(-kp // split_k)) // bkp) * bkp
+
+
 def read_floor(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, block_n: int,
                bkp: int, split_k: int, num_warps: int) -> torch.Tensor:
     """Launch the read-only kernel on a 4-bit layer (module docstring) and return the per-program checksums.
@@ -72,8 +78,7 @@ def read_floor(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             raise ValueError(f"{name} must be a power of two, got {v}")
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    rows = -(-kp // split_k)
-    rows = -(-rows // bkp) * bkp
+    rows = _rows_per_split(kp, split_k, bkp)
     grid_n = -(-n // block_n)
     out = torch.empty((split_k, grid_n), dtype=torch.int32, device=qweight.device)
     _read_floor_kernel[(grid_n, split_k)](qweight, scales.view(torch.int16), zeros, out, n, kp, scales.shape[0], rows,
@@ -86,7 +91,7 @@ def checksum_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     """The sum mod ``2**32`` that ``read_floor``'s checksums must add up to: every packed word once, and the
     scale / zero rows of each group once per split that touches it (as int16 bit patterns, sign-extended)."""
     kp = qweight.shape[0]
-    rows = -(-(-(-kp // split_k)) // bkp) * bkp
+    rows = _rows_per_split(kp, split_k, bkp)
     total = int(qweight.to(torch.int64).sum())
     sz = scales.view(torch.int16).to(torch.int64).sum(dim=1) + zeros.to(torch.int64).sum(dim=1)  # per group
     per_group = group_size // 8

@@ -1,6 +1,7 @@
 """``benchmarks/read_floor.py``, the read-only kernel behind ``bench_w4a16.py --variants floor``: its program
 checksums add up to ``checksum_ref`` (every packed word once, each group's scale and zero rows once per split that
-touches them), so the floor it times cannot skip bytes; and ``empty_launch``, the launch cost under it. Runs in Triton's interpreter without CUDA."""
+touches them), so the floor it times cannot skip bytes; and ``empty_launch``, the launch cost under it. Runs in
+Triton's interpreter without CUDA."""
 
 import importlib.util
 import pathlib
