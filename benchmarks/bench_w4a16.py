@@ -459,12 +459,18 @@ def r7_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
     default of then on the fused q|k|v shape (4096x6144: 8.6 vs 10.0 us) in the round's first sweep, its neighbours
     and the square and wide/tall rules' tiles.
     The round's other GEMV variants lost on every shape and were removed (``_gemv_kernel_fn``'s NOTE)."""
+    return _gemv_grid_configs(((2048, 128, 16, 1), (2048, 64, 16, 1), (2048, 128, 8, 1), (1024, 128, 16, 1),
+                               (1024, 128, 8, 2), (4096, 128, 16, 1), (1024, 64, 8, 2), (2048, 64, 8, 2)), N, K, sms)
+
+
+def _gemv_grid_configs(grids, N: int, K: int, sms: int) -> list[k.W4A16Config]:
+    """``W4A16Algo.GEMV`` configs with ``biased_fma=15`` for ``(block_n, block_k, num_warps, programs_per_sm)``
+    grids, split-K from ``split_k_for``; duplicates (grids that land on the same split) dropped."""
     out = []
-    for bn, bk, w, per_sm in ((2048, 128, 16, 1), (2048, 64, 16, 1), (2048, 128, 8, 1), (1024, 128, 16, 1),
-                              (1024, 128, 8, 2), (4096, 128, 16, 1), (1024, 64, 8, 2), (2048, 64, 8, 2)):
+    for bn, bk, w, per_sm in grids:
         split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
         out.append(k.W4A16Config(1, bn, bk, split, w, 1, A.GEMV, biased_fma=15))
-    return out
+    return list(dict.fromkeys(out))
 
 
 FLOOR_SHAPES = SHAPES + [(4096, 6144), (4096, 28672)]  # the issue's shapes, then the engine's other two projections
@@ -490,12 +496,8 @@ def time_floor(device, report: dict, out_path: str | None) -> list[dict]:
     and on the default GEMV's own grid (each checked by its checksum first), all on the graph clock with rotating
     weights; then ``library_reads`` of the same byte count; last, ``empty_launch`` grids (the launch cost under the
     floor). ``report["floor"]`` is written to ``out_path`` after each shape."""
-    import importlib.util
-    import pathlib
+    import read_floor as rf  # this folder is on sys.path when run as a script (as bench_gemv imports this file)
 
-    spec = importlib.util.spec_from_file_location("read_floor", pathlib.Path(__file__).with_name("read_floor.py"))
-    rf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rf)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = report["floor"] = []
     t0 = time.perf_counter()
@@ -590,13 +592,10 @@ def r8_candidates(M: int, N: int, K: int, sms: int) -> list[k.W4A16Config]:
     at 4-16 programs per SM (round 7's 2048x64 tiles on 8 warps hold 64 words per thread and step in 120 registers, so
     2 programs fit an SM; 32 words per thread compile to 48 registers on sm_90, triton 3.9), and round 7's rules.
     The round-8 rule (512x64 on 2 warps, 8 per SM) is the default now."""
-    out = []
-    for bn, bk, w, per_sm in ((512, 64, 4, 8), (512, 64, 4, 6), (512, 64, 4, 4), (512, 64, 4, 10), (512, 32, 4, 8),
-                              (512, 128, 4, 8), (256, 64, 2, 8), (256, 64, 2, 16), (256, 32, 2, 16), (1024, 64, 4, 4),
-                              (1024, 32, 4, 8), (1024, 64, 8, 4), (512, 64, 2, 8), (2048, 64, 8, 2), (1024, 64, 8, 2)):
-        split = k.split_k_for(-(-N // bn), -(-K // bk), sms, per_sm)
-        out.append(k.W4A16Config(1, bn, bk, split, w, 1, A.GEMV, biased_fma=15))
-    return list(dict.fromkeys(out))
+    return _gemv_grid_configs(((512, 64, 4, 8), (512, 64, 4, 6), (512, 64, 4, 4), (512, 64, 4, 10), (512, 32, 4, 8),
+                               (512, 128, 4, 8), (256, 64, 2, 8), (256, 64, 2, 16), (256, 32, 2, 16), (1024, 64, 4, 4),
+                               (1024, 32, 4, 8), (1024, 64, 8, 4), (512, 64, 2, 8), (2048, 64, 8, 2), (1024, 64, 8, 2)),
+                              N, K, sms)
 
 
 def print_tc2_table(rows: list[dict]) -> None:

@@ -54,7 +54,8 @@ def _read_floor_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, KP, G, ROWS_PER_SPLIT, 
 
 def _rows_per_split(kp: int, split_k: int, bkp: int) -> int:
     """Packed rows each split reads: ``ceil(kp / split_k)`` rounded up to a whole number of ``bkp``-row steps."""
-    return -(-(-(-kp // split_k)) // bkp) * bkp
+    rows = -(-kp // split_k)
+    return -(-rows // bkp) * bkp
 
 
 def read_floor(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, block_n: int,

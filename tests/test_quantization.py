@@ -76,8 +76,9 @@ def models():
 
 
 def top50_max_diff(model, prompt_ids, top50) -> float:
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids])).logits[0, -1].float()
+        logits = model(torch.tensor([prompt_ids], device=device)).logits[0, -1].float().cpu()
     ids = torch.tensor([t for t, _ in top50])
     vals = torch.tensor([v for _, v in top50])
     return float((logits[ids] - vals).abs().max())
@@ -266,10 +267,7 @@ def test_tiny_golden_on_the_kernel(name, monkeypatch):
             m.cache_dequantized_on_cpu = False
     g, tol, steps = golden(name), TOL[dtype], 4
     ids, want, margins = g["prompts"][0]["input_ids"], g["greedy_new_tokens"][0][:steps], g["greedy_step_top2_margin"][0][:steps]
-    with torch.inference_mode():
-        logits = model(torch.tensor([ids], device=device)).logits[0, -1].float().cpu()
-    top = torch.tensor([t for t, _ in g["last_logits_top50"][0]])
-    assert float((logits[top] - torch.tensor([v for _, v in g["last_logits_top50"][0]])).abs().max()) < tol
+    assert top50_max_diff(model, ids, g["last_logits_top50"][0]) < tol
     out = paged_generate(model, [ids], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
     assert_tokens_match(list(out[0].outputs[0].token_ids), want, margins, tol, "paged_generate on the kernel")
     if not cuda:
