@@ -27,6 +27,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .sizing import model_compute_dtype, model_kv_shape, num_kv_blocks
+from .streaming import cut_at_stop, first_stop
 
 
 @dataclass(slots=True)
@@ -524,11 +525,10 @@ class LLMEngine:
         if not sp.ignore_eos and token in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if sp.stop and self.tokenizer is not None:
-            text = self._decode(seq.output_token_ids)
-            for stop in sp.stop:
-                if stop in text:
-                    seq.stop_reason = stop
-                    return SequenceStatus.FINISHED_STOPPED
+            stop = first_stop(self._decode(seq.output_token_ids), sp.stop)
+            if stop is not None:
+                seq.stop_reason = stop
+                return SequenceStatus.FINISHED_STOPPED
         num_tokens = len(token_ids)
         if num_tokens - seq.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
@@ -551,10 +551,8 @@ class LLMEngine:
             # NOTE: decoding the whole output again every step is O(length) per request per step, the
             # largest host cost at big batches: text comes with the finished output only (streaming.stream
             # detokenizes incrementally instead).
-            text = self._decode(seq.output_token_ids) if finished else ""
             stop_reason = seq.stop_reason
-            if isinstance(stop_reason, str):
-                text = text[: text.find(stop_reason)]
+            text = cut_at_stop(self._decode(seq.output_token_ids), stop_reason) if finished else ""
             logprobs = seq.logprobs
             # positional: CompletionOutput(index, text, token_ids, cumulative_logprob, logprobs, finish_reason,
             # stop_reason, error); the token and logprob lists are copies, so an output is a snapshot
