@@ -51,10 +51,12 @@ from .loading import patch_from_pretrained, unpatch_from_pretrained
 logger = logging.getLogger("paged_transformers")
 
 # model_kwargs that stock generate() itself puts next to the inputs; anything else (pixel_values,
-# token_type_ids, ...) is a model input the engine does not pass, so stock code runs.
+# token_type_ids, ...) is a model input the engine does not pass, so stock code runs. `tokenizer` is
+# generate()'s own (for stop_strings; pipeline(stop_sequence=...) passes it): the StopStringCriteria it
+# built is in stopping_criteria, which the engine runs per request.
 _KNOWN_MODEL_KWARGS = {
     "attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
-    "cache_position", "output_attentions", "output_hidden_states", "return_dict",
+    "cache_position", "output_attentions", "output_hidden_states", "return_dict", "tokenizer",
 }
 
 

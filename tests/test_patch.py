@@ -245,3 +245,20 @@ def test_unsupported_options_raise(tiny_model, option, name):
     model = tiny_model("llama")
     with pytest.raises(NotImplementedError, match=name):
         paged_generate(model, PROMPTS[:1], generation_config=GenerationConfig(max_new_tokens=3, **option), use_tqdm=False)
+
+
+def test_stop_strings_with_tokenizer_served_by_the_engine(smollm2, engine_count, monkeypatch, caplog):
+    """``generate(..., stop_strings=..., tokenizer=tok)`` used to run stock code: ``tokenizer`` was taken
+    for a model input. Stops that end inside a token and span tokens, on a left-padded batch."""
+    model, tokenizer = smollm2
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
+    monkeypatch.setattr(patch_module, "_LOGGED", set())
+    batch = tokenizer(["The capital of France is", "One, two, three,", "Once upon a time"], return_tensors="pt", padding=True)
+    kwargs = dict(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    stops = dict(stop_strings=["is.", "x, s", "va H"], tokenizer=tokenizer)
+    stock = model.generate(**kwargs, **stops)
+    assert stock.shape[1] < model.generate(**kwargs).shape[1]  # every row stopped early
+    with caplog.at_level(logging.WARNING, logger="paged_transformers"), paged_transformers.patch():
+        paged = model.generate(**kwargs, **stops)
+    assert torch.equal(paged, stock)
+    assert len(engine_count) == 1 and not caplog.records  # the engine served it, no fallback
