@@ -262,8 +262,8 @@ def _engine_blocker(model, call: _Call, input_ids, gc, synced_gpus, streamer, mo
     return None
 
 
-# Module names of learned absolute-position tables: GPT-2 / GPT-Neo / GPTBigCode ``wpe``, OPT / BioGPT
-# ``embed_positions``.
+# Module names of learned absolute-position tables (``nn.Embedding``): GPT-2 / GPT-Neo / GPTBigCode ``wpe``,
+# OPT / BioGPT ``embed_positions``, BERT-style decoders ``position_embeddings``.
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
