@@ -176,7 +176,8 @@ class PagedCache(Cache):
         self._pad_hint = pad_lens.tolist()
 
     def reset(self) -> None:
-        """Free every block a ``generate()`` call holds, so the cache can serve the next call."""
+        """Free every block a ``generate()`` call holds, so the cache can serve a new batch. Without it, the
+        next ``generate()`` call continues from the cached tokens, as with a ``DynamicCache`` passed again."""
         if self._rows is not None:
             for seq_id in self._rows.seq_ids:
                 self.block_manager.free(seq_id)
@@ -197,12 +198,21 @@ class PagedCache(Cache):
 
         Raises:
             RuntimeError: the pool has no free block left (names the sizes).
-            ValueError: a batch size that does not fit the padding given to ``set_prompt_padding``.
+            ValueError: a batch size that does not fit the padding given to ``set_prompt_padding``, or
+                another batch size than the generation the cache holds (``reset()`` it first).
         """
         batch, num_kv_heads, num_new, head_dim = key_states.shape
         if self._rows is None:
             self._rows = self._start(key_states)
         rows = self._rows
+        if batch != len(rows.seq_ids):
+            # NOTE: no automatic reset: a cache passed to generate() again continues its generation (as a
+            # DynamicCache does: the new call's input is the previous output plus new tokens), so a new
+            # batch on a used cache is a mistake to report, not a cue to drop the cached K/V.
+            raise ValueError(
+                f"this PagedCache holds a generation of {len(rows.seq_ids)} rows, but got a batch of {batch}: "
+                "call cache.reset() before using it for another batch"
+            )
         start = rows.layer_lens[layer_idx]
         if start == rows.num_dense:  # the first layer to see these positions grants their slots
             self._grant(num_new)

@@ -10,6 +10,7 @@ overlaps the device's (``LLMEngine.step``; vLLM V1's async scheduling, SGLang's 
 import copy
 import dataclasses
 import operator
+import os
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .sizing import model_compute_dtype, model_kv_shape, num_kv_blocks
+from .streaming import cut_at_stop, first_stop
 
 
 @dataclass(slots=True)
@@ -62,7 +64,8 @@ class LLMEngine:
         engine_config: ``EngineConfig``; default ``EngineConfig()``.
 
     Raises:
-        ValueError: ``engine_config`` not an ``EngineConfig`` or with a bad field (checked again here, so
+        ValueError: ``model`` not a loaded model (a path or hub id: see ``check_loaded_model``);
+            ``engine_config`` not an ``EngineConfig`` or with a bad field (checked again here, so
             a field changed after construction is caught too); another engine is open on the model (one
             engine per model at a time); the model's attention cannot be replaced (names the model class);
             ``max_model_len`` over the model's ``max_position_embeddings``; a pool too small for one
@@ -85,6 +88,7 @@ class LLMEngine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, engine_config: EngineConfig | None = None):
+        check_loaded_model(model)
         if engine_config is not None and not isinstance(engine_config, EngineConfig):
             raise ValueError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
         # Our own copy, checked again: a config changed after construction gets the same ValueError,
@@ -524,11 +528,10 @@ class LLMEngine:
         if not sp.ignore_eos and token in self.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if sp.stop and self.tokenizer is not None:
-            text = self._decode(seq.output_token_ids)
-            for stop in sp.stop:
-                if stop in text:
-                    seq.stop_reason = stop
-                    return SequenceStatus.FINISHED_STOPPED
+            stop = first_stop(self._decode(seq.output_token_ids), sp.stop)
+            if stop is not None:
+                seq.stop_reason = stop
+                return SequenceStatus.FINISHED_STOPPED
         num_tokens = len(token_ids)
         if num_tokens - seq.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
@@ -551,10 +554,8 @@ class LLMEngine:
             # NOTE: decoding the whole output again every step is O(length) per request per step, the
             # largest host cost at big batches: text comes with the finished output only (streaming.stream
             # detokenizes incrementally instead).
-            text = self._decode(seq.output_token_ids) if finished else ""
             stop_reason = seq.stop_reason
-            if isinstance(stop_reason, str):
-                text = text[: text.find(stop_reason)]
+            text = cut_at_stop(self._decode(seq.output_token_ids), stop_reason) if finished else ""
             logprobs = seq.logprobs
             # positional: CompletionOutput(index, text, token_ids, cumulative_logprob, logprobs, finish_reason,
             # stop_reason, error); the token and logprob lists are copies, so an output is a snapshot
@@ -566,6 +567,20 @@ class LLMEngine:
             ))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
                              request.metrics)
+
+
+def check_loaded_model(model) -> None:
+    """Raise unless ``model`` is a loaded ``torch.nn.Module`` (the engine serves models, not paths).
+
+    Raises:
+        ValueError: naming the value given; a path or hub id gets the call that loads it.
+    """
+    if isinstance(model, torch.nn.Module):
+        return
+    hint = ""
+    if isinstance(model, (str, os.PathLike)):
+        hint = f"; load it first: model = paged_transformers.load_model({os.fspath(model)!r})"
+    raise ValueError(f"model must be a loaded transformers model (a torch.nn.Module), got {type(model).__name__} {model!r}{hint}")
 
 
 def _with_pending_forks(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:

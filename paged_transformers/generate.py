@@ -6,7 +6,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine import LLMEngine, check_loaded_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .streaming import run_engine
@@ -51,7 +51,8 @@ def paged_generate(
         string).
 
     Raises:
-        ValueError: ``prompts`` not a list, a bad prompt (index named), a list of ``sampling_params`` of
+        ValueError: ``model`` not a loaded model (a path: load it with ``paged_transformers.load_model``),
+            ``prompts`` not a list, a bad prompt (index named), a list of ``sampling_params`` of
             another length, or any error ``LLMEngine`` raises for the model or configuration.
 
     Examples:
@@ -67,6 +68,7 @@ def paged_generate(
         >>> [len(o.outputs[0].token_ids) for o in outs]
         [3, 3]
     """
+    check_loaded_model(model)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
     prompts = list(prompts)

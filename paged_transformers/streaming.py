@@ -124,14 +124,20 @@ def stream(
 ) -> Iterator[StreamDelta]:
     """Run ``engine`` until idle, yielding per sequence the tokens and text each step added.
 
+    Each token and each character is yielded once: a finished sequence yields one last delta (with
+    ``finished=True``) and nothing after it, even while its request's other sequences run. Text that
+    could still be the start of one of the request's ``stop`` strings is held back until the next
+    tokens show it is not (at most ``len(stop) - 1`` characters, as vLLM's detokenizer holds back), and
+    the last delta ends where the final ``CompletionOutput.text`` is cut. So per sequence the texts join
+    to exactly the final text, and the token ids to ``CompletionOutput.token_ids``.
+
     Args:
         engine: an ``LLMEngine`` with requests added (requests may be added while iterating).
         stopping_criteria: as in ``run_engine``.
         skip_special_tokens: as in ``tokenizer.decode``.
 
     Yields:
-        ``StreamDelta``s in step order; per sequence, the texts concatenate to the decoded output
-        (before any ``stop`` string cut, which only the final ``CompletionOutput.text`` applies).
+        ``StreamDelta``s in step order.
 
     Examples:
         >>> import torch
@@ -148,24 +154,79 @@ def stream(
         >>> [len(d.token_ids) for d in deltas], deltas[-1].finish_reason
         ([1, 1, 1], 'length')
     """
-    detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
-    seen: dict[tuple[str, int], int] = {}
+    texts: dict[tuple[str, int], _TextStream] = {}
+    seen: dict[tuple[str, int], int] = {}  # (request_id, index) -> output tokens yielded; -1 once finished
     for outputs in run_engine(engine, stopping_criteria):
         for out in outputs:
+            request = engine.requests.get(out.request_id)  # None once finished: its last output needs no stops
+            stops = request.sampling_params.stop if request is not None else ()
             for comp in out.outputs:
                 key = (out.request_id, comp.index)
                 start = seen.get(key, 0)
+                if start < 0:
+                    continue  # finished at an earlier step; the request still carries it for its siblings
                 new_ids = comp.token_ids[start:]
                 if not new_ids and not comp.finished:
                     continue
-                seen[key] = len(comp.token_ids)
+                seen[key] = -1 if comp.finished else len(comp.token_ids)
                 text = ""
                 if engine.tokenizer is not None:
-                    detok = detokenizers.setdefault(key, IncrementalDetokenizer(engine.tokenizer, skip_special_tokens))
-                    text = detok.add(new_ids)
+                    if key not in texts:
+                        texts[key] = _TextStream(engine.tokenizer, skip_special_tokens, stops)
+                    text = texts[key].add(new_ids, comp.stop_reason if comp.finished else _UNFINISHED)
                     if comp.finished:
-                        text += detok.flush()
-                if comp.finished:
-                    detokenizers.pop(key, None)
-                    seen.pop(key, None)
+                        del texts[key]
                 yield StreamDelta(out.request_id, comp.index, new_ids, text, comp.finished, comp.finish_reason, comp.error)
+            if out.finished:  # the engine forgets the request; its id may be used again
+                for comp in out.outputs:
+                    seen.pop((out.request_id, comp.index), None)
+
+
+_UNFINISHED = object()  # _TextStream.add: the sequence goes on (its stop_reason is not known yet)
+
+
+def first_stop(text: str, stops) -> str | None:
+    """The stop string that occurs earliest in ``text`` (ties: the first listed), or None."""
+    found = [(text.find(stop), i) for i, stop in enumerate(stops) if stop in text]
+    return stops[min(found)[1]] if found else None
+
+
+def cut_at_stop(text: str, stop_reason) -> str:
+    """``text`` up to the first occurrence of the stop string ``stop_reason`` (unchanged for a token id or None)."""
+    return text[: text.find(stop_reason)] if isinstance(stop_reason, str) and stop_reason in text else text
+
+
+def _held_back(text: str, stops) -> int:
+    """Length of the longest end of ``text`` that begins some stop string (< the longest stop's length)."""
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:k]):
+                held = k
+                break
+    return held
+
+
+class _TextStream:
+    """One sequence's streamed text: decoded incrementally, released only where no stop string can begin."""
+
+    __slots__ = ("detokenizer", "stops", "text", "num_sent")
+
+    def __init__(self, tokenizer, skip_special_tokens: bool, stops):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stops = list(stops)
+        self.text = ""  # decoded so far
+        self.num_sent = 0  # characters of ``text`` already yielded
+
+    def add(self, token_ids: list[int], stop_reason) -> str:
+        """Append tokens; return the text now safe to release (``stop_reason``: ``_UNFINISHED``, or the
+        finished sequence's ``CompletionOutput.stop_reason``, where the text is cut as the engine cuts it)."""
+        self.text += self.detokenizer.add(token_ids)
+        if stop_reason is _UNFINISHED:
+            end = len(self.text) - _held_back(self.text, self.stops)
+        else:
+            self.text += self.detokenizer.flush()
+            end = len(cut_at_stop(self.text, stop_reason))
+        assert end >= self.num_sent, f"stream released {self.num_sent} characters, the text ends at {end}: {self.text!r}"
+        delta, self.num_sent = self.text[self.num_sent : end], end
+        return delta

@@ -51,10 +51,12 @@ from .loading import patch_from_pretrained, unpatch_from_pretrained
 logger = logging.getLogger("paged_transformers")
 
 # model_kwargs that stock generate() itself puts next to the inputs; anything else (pixel_values,
-# token_type_ids, ...) is a model input the engine does not pass, so stock code runs.
+# token_type_ids, ...) is a model input the engine does not pass, so stock code runs. `tokenizer` is
+# generate()'s own (for stop_strings; pipeline(stop_sequence=...) passes it): the StopStringCriteria it
+# built is in stopping_criteria, which the engine runs per request.
 _KNOWN_MODEL_KWARGS = {
     "attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
-    "cache_position", "output_attentions", "output_hidden_states", "return_dict",
+    "cache_position", "output_attentions", "output_hidden_states", "return_dict", "tokenizer",
 }
 
 
@@ -211,7 +213,12 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 
 
 def _engine_blocker(model, call: _Call, input_ids, gc, synced_gpus, streamer, model_kwargs) -> str | None:
-    """Why the engine cannot serve this ``_sample`` call (None when it can)."""
+    """Why the engine cannot serve this ``_sample`` call (None when it can).
+
+    Raises:
+        ValueError: the call would index past the model's learned position table (``_check_position_table``).
+    """
+    _check_position_table(model, input_ids, gc)
     if gc.get_generation_mode() not in ENGINE_MODES:
         return f"generation mode {gc.get_generation_mode().value}"
     if synced_gpus:
@@ -244,12 +251,46 @@ def _engine_blocker(model, call: _Call, input_ids, gc, synced_gpus, streamer, mo
             return "an attention_mask that is not left padding"
         if bool((mask.sum(-1) == 0).any()):
             return "an all-padding row"
+    # NOTE: the engine holds at most max_position_embeddings tokens per sequence (its max_model_len) and
+    # caps there; stock code computes rotary positions for any length, so a RoPE model past the limit runs
+    # stock code and returns what stock returns (learned position tables were refused above).
     max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_positions is not None and gc.max_length > max_positions:
         return f"max_length={gc.max_length} over max_position_embeddings={max_positions}"
     if gc.max_length <= input_ids.shape[1]:
         return "no new tokens to generate"
     return None
+
+
+# Module names of learned absolute-position tables (``nn.Embedding``): GPT-2 / GPT-Neo / GPTBigCode ``wpe``,
+# OPT / BioGPT ``embed_positions``, BERT-style decoders ``position_embeddings``.
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def _check_position_table(model, input_ids, gc) -> None:
+    """Refuse a call that would index past a learned absolute-position table, before any forward.
+
+    Stock ``generate()`` feeds positions ``0 .. max_length - 2`` (the last token is sampled, never fed), so a
+    decoder-only model with a table of ``max_position_embeddings`` rows fails mid-generation with
+    ``IndexError: index out of range in self`` (a device-side assert on CUDA) once ``max_length`` exceeds
+    ``max_position_embeddings + 1``. RoPE models compute positions for any length: not refused here.
+
+    Raises:
+        ValueError: naming the prompt length (padded, tokens), ``max_new_tokens``, ``max_length`` and the limit.
+    """
+    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_positions is None or gc.max_length <= max_positions + 1 or model.config.is_encoder_decoder:
+        return
+    if not any(isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
+               for name, m in model.named_modules()):
+        return
+    prompt_len = input_ids.shape[1]
+    raise ValueError(
+        f"{type(model).__name__} has learned position embeddings for max_position_embeddings={max_positions} "
+        f"positions, but a prompt of {prompt_len} tokens with max_new_tokens={gc.max_length - prompt_len} "
+        f"(max_length={gc.max_length}) needs {gc.max_length - 1}: stock generate() would fail mid-generation. "
+        f"Keep prompt length + max_new_tokens <= {max_positions + 1}"
+    )
 
 
 def _engine_generate(model, call: _Call, input_ids, stopping_criteria, gc, streamer, model_kwargs):

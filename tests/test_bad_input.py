@@ -5,6 +5,7 @@ Policy for prompt + max_tokens over max_model_len (EngineConfig docstring): the 
 capped; it finishes with ``finish_reason="length"`` when it reaches ``max_model_len`` tokens.
 """
 
+import pathlib
 import re
 
 import pytest
@@ -13,7 +14,7 @@ import transformers
 from torch import nn
 
 from conftest import VOCAB_SIZE, assert_pool_whole, check_block_invariants, make_tiny_model, random_prompts, stock_greedy
-from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate
+from paged_transformers import EngineConfig, LLMEngine, SamplingParams, load_model, paged_generate
 
 PROMPTS = random_prompts(3, 10, 40, seed=3)
 MAX_TOKENS = 8
@@ -267,6 +268,32 @@ def test_model_without_attention_interface(name):
     with pytest.raises(ValueError, match=type(model).__name__):
         paged_generate(model, [[1, 2, 3]], GREEDY, engine_config=EngineConfig(max_model_len=64), use_tqdm=False)
     assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("given", ["some/model", pathlib.Path("checkpoints/model"), None], ids=["str", "path", "none"])
+def test_model_given_as_a_path(given):
+    """A path or hub id used to fail with AttributeError: 'PosixPath' object has no attribute 'config'."""
+    match = r"loaded transformers model.*got " + ("NoneType" if given is None else rf"{type(given).__name__}.*load_model\(")
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(given)
+    with pytest.raises(ValueError, match=match):
+        paged_generate(given, [[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_load_model_missing_folder(tmp_path):
+    """It used to raise huggingface_hub's HFValidationError (the path taken for a malformed hub id)."""
+    for missing in (tmp_path / "nope", str(tmp_path / "nope"), "./no/such/folder", pathlib.Path("org/name")):
+        with pytest.raises(ValueError, match=r"folder .*does not exist"):
+            load_model(missing, device="cpu")
+
+
+def test_load_model_dtype_auto(tmp_path):
+    """``dtype="auto"`` used to raise ValueError; it reads the checkpoint's dtype, as ``from_pretrained`` does."""
+    make_tiny_model("llama").to(torch.float16).save_pretrained(tmp_path)
+    auto = load_model(tmp_path, dtype="auto", device="cpu")
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
+    assert {p.dtype for p in auto.parameters()} == {p.dtype for p in stock.parameters()} == {torch.float16}
+    assert all(torch.equal(a, b) for a, b in zip(auto.state_dict().values(), stock.state_dict().values()))
 
 
 def test_pool_too_small_for_one_max_length_request(llama):

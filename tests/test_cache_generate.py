@@ -120,3 +120,37 @@ def test_smollm2_paged_cache(smollm2, monkeypatch):
         stock = model.generate(**kwargs)
         assert torch.equal(paged, stock), mode
 
+
+
+def test_reused_for_another_batch_says_reset(tiny_model):
+    """A used cache given a batch of another size used to fail inside the update with
+    ``IndexError: The shape of the mask [16] ... does not match``; now a ValueError says to call reset()."""
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS[:2])
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = PagedCache.from_model(model, num_blocks=64, block_size=4)
+    model.generate(ids, attention_mask=mask, **{cache_kwarg(model): cache}, **kwargs)
+    other, other_mask = left_pad([p * 3 for p in PROMPTS])  # 4 rows, longer than the cached 2 x 14 positions
+    with pytest.raises(ValueError, match=r"holds a generation of 2 rows.*batch of 4.*reset\(\)"):
+        model.generate(other, attention_mask=other_mask, **{cache_kwarg(model): cache}, **kwargs)
+    cache.reset()
+    cache.set_prompt_padding(other_mask)
+    paged = model.generate(other, attention_mask=other_mask, **{cache_kwarg(model): cache}, **kwargs)
+    assert torch.equal(paged, model.generate(other, attention_mask=other_mask, **kwargs))
+
+
+def test_passed_again_continues_like_dynamic_cache(tiny_model):
+    """Why a second generate() call does not reset the cache: stock continues from a cache passed again (its
+    input is the previous output plus new tokens), and so does a PagedCache."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS[:2])
+    kwargs = dict(do_sample=False, pad_token_id=0, max_new_tokens=4)
+    outs = []
+    for cache in (PagedCache.from_model(model, num_blocks=64, block_size=4), DynamicCache(config=model.config)):
+        first = model.generate(ids, attention_mask=mask, **{cache_kwarg(model): cache}, **kwargs)
+        first_mask = torch.cat([mask, torch.ones_like(first[:, ids.shape[1]:])], 1)
+        outs.append(model.generate(first, attention_mask=first_mask, **{cache_kwarg(model): cache}, **kwargs))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], model.generate(ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 8}))

@@ -3,10 +3,12 @@ weights (fp32 CPU). Per prompt alone and as a left-padded batch, for the Generat
 engine serves; fallbacks (beam search on a PagedCache); unpatch / context manager; plain forwards and a
 training step unchanged; unsupported options and failing processors."""
 
+import contextlib
 import logging
 
 import pytest
 import torch
+import transformers
 from transformers import GenerationConfig, LogitsProcessor
 
 import paged_transformers
@@ -245,3 +247,79 @@ def test_unsupported_options_raise(tiny_model, option, name):
     model = tiny_model("llama")
     with pytest.raises(NotImplementedError, match=name):
         paged_generate(model, PROMPTS[:1], generation_config=GenerationConfig(max_new_tokens=3, **option), use_tqdm=False)
+
+
+def test_stop_strings_with_tokenizer_served_by_the_engine(smollm2, engine_count, monkeypatch, caplog):
+    """``generate(..., stop_strings=..., tokenizer=tok)`` used to run stock code: ``tokenizer`` was taken
+    for a model input. Stops that end inside a token and span tokens, on a left-padded batch."""
+    model, tokenizer = smollm2
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
+    monkeypatch.setattr(patch_module, "_LOGGED", set())
+    batch = tokenizer(["The capital of France is", "One, two, three,", "Once upon a time"], return_tensors="pt", padding=True)
+    kwargs = dict(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    stops = dict(stop_strings=["is.", "x, s", "va H"], tokenizer=tokenizer)
+    stock = model.generate(**kwargs, **stops)
+    assert stock.shape[1] < model.generate(**kwargs).shape[1]  # every row stopped early
+    with caplog.at_level(logging.WARNING, logger="paged_transformers"), paged_transformers.patch():
+        paged = model.generate(**kwargs, **stops)
+    assert torch.equal(paged, stock)
+    assert len(engine_count) == 1 and not caplog.records  # the engine served it, no fallback
+
+
+# -- position limits: the engine serves what fits max_position_embeddings; past it, RoPE models run stock code
+# and learned position tables are refused up front (stock would fail mid-generation) ---------------------------
+
+
+def tiny_gpt2():
+    """A tiny GPT-2 (learned position table ``wpe`` of 64 rows), fp32, eval mode."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def run_at_length(model, prompt_len, max_new, patched):
+    ids = torch.randint(3, 128, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    with paged_transformers.patch() if patched else contextlib.nullcontext():
+        # EOS suppressed: every call runs to max_length, so a refused call is one where stock fails
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                              suppress_tokens=[2])
+
+
+@pytest.mark.parametrize(
+    "prompt_len, max_new, served",
+    [(40, 24, "engine"), (63, 1, "engine"), (63, 2, "stock"), (64, 1, "stock"), (60, 10, "refused"), (65, 1, "refused")],
+)
+def test_learned_positions_past_the_table(engine_count, prompt_len, max_new, served):
+    """GPT-2 with n_positions=64: past 65 tokens stock dies mid-forward (IndexError); the patched generate used
+    to fall back to it. Now it raises a ValueError naming the lengths before any forward; up to 64 tokens the
+    engine serves it, at 65 (stock feeds every token but the last) stock code runs."""
+    model = tiny_gpt2()
+    if served == "refused":
+        with pytest.raises(IndexError):
+            run_at_length(model, prompt_len, max_new, patched=False)
+        forwards = []
+        hook = model.register_forward_pre_hook(lambda *a: forwards.append(1))
+        match = (rf"GPT2LMHeadModel.*max_position_embeddings=64.*prompt of {prompt_len} tokens with "
+                 rf"max_new_tokens={max_new} \(max_length={prompt_len + max_new}\).*<= 65")
+        with pytest.raises(ValueError, match=match):
+            run_at_length(model, prompt_len, max_new, patched=True)
+        hook.remove()
+        assert not forwards and not engine_count
+        return
+    stock = run_at_length(model, prompt_len, max_new, patched=False)
+    assert torch.equal(run_at_length(model, prompt_len, max_new, patched=True), stock)
+    assert len(engine_count) == (served == "engine")
+
+
+@pytest.mark.parametrize(
+    "prompt_len, max_new, served",
+    [(40, 24, "engine"), (63, 1, "engine"), (63, 2, "stock"), (64, 1, "stock"), (65, 3, "stock"), (60, 10, "stock")],
+)
+def test_rope_positions_past_max_position_embeddings(tiny_model, engine_count, prompt_len, max_new, served):
+    """A RoPE Llama with max_position_embeddings=64: the engine serves prompt + new tokens <= 64 (a prompt
+    leaves room for one token, as LLMEngine requires); past that stock code extrapolates and runs, as unpatched."""
+    model = tiny_model("llama", max_position_embeddings=64)
+    stock = run_at_length(model, prompt_len, max_new, patched=False)
+    assert torch.equal(run_at_length(model, prompt_len, max_new, patched=True), stock)
+    assert len(engine_count) == (served == "engine")

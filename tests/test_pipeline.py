@@ -38,3 +38,21 @@ def test_pipeline_matches_stock(smollm2, monkeypatch):
         assert pipe(CHATS, **kwargs) == stock_chat
     assert len(engines) == 2 + 2 + 1  # 6 prompts in batches of 4 -> 2 engine runs each; 2 chats -> 1
 
+
+
+def test_pipeline_stop_sequence_on_the_engine(smollm2, monkeypatch):
+    """``stop_sequence`` makes the pipeline pass ``stop_strings`` and ``tokenizer=`` to ``generate()``: the
+    engine serves it (it used to fall back to stock code) with stock's result."""
+    model, tokenizer = smollm2
+    monkeypatch.setattr(tokenizer, "padding_side", "left")
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    kwargs = dict(batch_size=4, max_new_tokens=12, do_sample=False, stop_sequence=["is", "\n"])
+    stock = pipe(PROMPTS, **kwargs)
+    assert stock != pipe(PROMPTS, max_new_tokens=12, do_sample=False, batch_size=4)  # the stops cut something
+
+    engines = []
+    original = patch_module.LLMEngine
+    monkeypatch.setattr(patch_module, "LLMEngine", lambda *a, **k: engines.append(1) or original(*a, **k))
+    with paged_transformers.patch():
+        assert pipe(PROMPTS, **kwargs) == stock
+    assert len(engines) == 2  # 6 prompts in batches of 4

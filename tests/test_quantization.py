@@ -366,3 +366,14 @@ def test_quant_linear_compiles_without_graph_breaks_on_cpu():
     torch._dynamo.reset()
     compiled = torch.compile(lin, fullgraph=True, backend="eager")
     assert float((compiled(x) - ref).abs().max()) < 1e-5
+
+
+def test_dtype_auto_is_the_checkpoints(models):
+    """``dtype="auto"`` (as ``from_pretrained`` takes it) used to raise ValueError: the config's fp16 here."""
+    name = "tiny-llama-gptq-4bit-g32-actorder-asym"
+    auto = load_model(MODELS / name, dtype="auto", device="cpu")
+    fp16 = models(name, torch.float16)
+    assert auto.model.embed_tokens.weight.dtype == torch.float16
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        assert torch.equal(auto(ids).logits, fp16(ids).logits)

@@ -4,6 +4,7 @@ stock's text."""
 
 import threading
 
+import pytest
 import torch
 from transformers import TextIteratorStreamer
 
@@ -66,3 +67,137 @@ def test_text_iterator_streamer_patched(smollm2):
     paged_text, paged_out = streamed(True)
     assert paged_text == stock_text and torch.equal(paged_out, stock_out)
 
+
+
+# -- n > 1 and stop strings: every character streamed once, joined stream == final text ------------------
+
+
+class PieceTokenizer:
+    """A toy tokenizer: token id ``t`` decodes to the UTF-8 bytes ``pieces[t]`` (pieces may split a character;
+    ids without a piece decode to '.'), as a byte-level BPE decodes."""
+
+    def __init__(self, pieces: dict[int, bytes]):
+        self.pieces = pieces
+        self.eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.pieces.get(int(i), b".") for i in ids).decode("utf-8", errors="replace")
+
+
+def forcing(prompt_len: int, script: list[int]):
+    """A logits processor that makes output token ``k`` be ``script[k]``."""
+
+    def processor(input_ids, scores):
+        forced = torch.full_like(scores, float("-inf"))
+        forced[..., script[input_ids.shape[1] - prompt_len]] = 0.0
+        return forced
+
+    return processor
+
+
+def stream_and_finals(model, tokenizer, requests):
+    """``stream()`` the ``requests`` (``request_id -> (prompt, SamplingParams)``); returns the deltas and the
+    engine's own finished ``RequestOutput``s of the same run."""
+    finals = {}
+    with LLMEngine(model, tokenizer=tokenizer) as engine:
+        step = engine.step
+
+        def recording_step():
+            outputs = step()
+            finals.update((out.request_id, out) for out in outputs if out.finished)
+            return outputs
+
+        engine.step = recording_step
+        for request_id, (prompt, params) in requests.items():
+            engine.add_request(request_id, prompt, params)
+        deltas = list(stream(engine))
+    return deltas, finals
+
+
+def assert_streamed_once(deltas, finals):
+    """Per sequence: token ids and texts join to the final output, exactly one delta is finished (the last)."""
+    for request_id, final in finals.items():
+        for comp in final.outputs:
+            mine = [d for d in deltas if d.request_id == request_id and d.index == comp.index]
+            assert [d.finished for d in mine] == [False] * (len(mine) - 1) + [True], (request_id, comp.index)
+            assert [t for d in mine for t in d.token_ids] == comp.token_ids, (request_id, comp.index)
+            assert "".join(d.text for d in mine) == comp.text, (request_id, comp.index, [d.text for d in mine])
+
+
+def test_stream_n_gt_1_yields_finished_sequences_once(tiny_model):
+    """Sequences of one request finishing at different steps used to be yielded again, whole, at every
+    later step of their siblings."""
+    model = tiny_model("llama")
+    tokenizer = PieceTokenizer({t: bytes([65 + t % 26]) for t in range(128)})
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=30, stop_token_ids=list(range(3, 30)))
+    deltas, finals = stream_and_finals(model, tokenizer, {"a": ([5, 6, 7], params), "b": ([8, 9], params)})
+    lengths = {len(c.token_ids) for out in finals.values() for c in out.outputs}
+    assert len(lengths) > 1, "the sequences should finish at different steps"
+    assert all(c.finish_reason == "stop" for out in finals.values() for c in out.outputs)
+    assert_streamed_once(deltas, finals)
+
+
+PIECES = {10: b"ABC", 11: b"DEF", 12: b"GH", 20: "x世".encode(), 21: "界".encode()[:2], 22: "界".encode()[2:] + b"y",
+          23: "人".encode()}
+
+
+@pytest.mark.parametrize(
+    "script, stop, texts, final",
+    [([10, 11, 12], ["DE"], ["ABC", ""], "ABC"),  # the stop begins at a token boundary
+     ([10, 11, 12], ["CD"], ["AB", ""], "AB"),  # the stop spans two tokens: "C" held back, then cut
+     ([10, 12, 11], ["CD"], ["AB", "CGH", "DEF"], "ABCGHDEF"),  # "C" held back, released when "GH" shows no stop
+     ([20, 21, 22, 12], ["世界"], ["x", "", ""], "x"),  # multi-byte stop, its last character split over tokens
+     ([20, 23, 21, 22], ["世界"], ["x", "世人", "", "界y"], "x世人界y"),  # a multi-byte prefix held, then released
+     ([10, 11, 12], ["Z", "EF", "BCD"], ["A", ""], "A")],  # several stops: the text is cut at the earliest one
+    ids=["boundary", "spanning", "released", "multibyte", "multibyte-released", "earliest"],
+)
+def test_stream_holds_back_stop_string_prefixes(tiny_model, script, stop, texts, final):
+    """The stream used to yield "ABC", "DEF" for stop "DE" (final text "ABC"), and a partial "C" for stop "CD"."""
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=len(script), ignore_eos=True, stop=stop,
+                            logits_processors=[forcing(3, script)])
+    deltas, finals = stream_and_finals(model, PieceTokenizer(PIECES), {"a": ([5, 6, 7], params)})
+    assert [d.text for d in deltas] == texts
+    assert finals["a"].outputs[0].text == final
+    assert_streamed_once(deltas, finals)
+
+
+def test_stream_stop_strings_n_gt_1_random(tiny_model):
+    """Random sampling over pieces that make the stops appear often, n=3, with multi-byte pieces split
+    over tokens: every sequence's stream joins to its final text, which is cut before its stop."""
+    model = tiny_model("llama")
+    alphabet = [b"a", b"b", b"ab", b"ba", "é".encode()[:1], "é".encode()[1:], "é".encode(), b" "]
+    tokenizer = PieceTokenizer({t: alphabet[t % len(alphabet)] for t in range(3, 128)})
+    stops = ["bab", "éa", "a é"]
+    requests = {str(seed): ([5 + seed, 6, 7], SamplingParams(n=3, temperature=1.0, seed=seed, max_tokens=24, stop=stops))
+                for seed in range(6)}
+    deltas, finals = stream_and_finals(model, tokenizer, requests)
+    assert_streamed_once(deltas, finals)
+    cut = 0
+    for out in finals.values():
+        for comp in out.outputs:
+            full = tokenizer.decode(comp.token_ids)
+            assert not any(s in comp.text for s in stops)
+            if comp.finish_reason == "stop":
+                assert full.startswith(comp.text + comp.stop_reason) and comp.stop_reason in stops
+                cut += 1
+            else:
+                assert comp.text == full
+    assert cut >= 6, f"only {cut} sequences stopped at a stop string"
+
+
+def test_stream_stop_string_smollm2(smollm2):
+    model, tokenizer = smollm2
+    prompt = "Write one sentence about the sea:"
+    with LLMEngine(model, tokenizer=tokenizer) as engine:
+        engine.add_request("full", prompt, SamplingParams(temperature=0, max_tokens=16))
+        full = [d for d in stream(engine)]
+    text = "".join(d.text for d in full)
+    # a stop string that starts inside a token and ends in a later one, first found at `start`
+    start = next(p for p in range(6, len(text) - 4) if text.find(text[p : p + 4]) == p and text[p] != " ")
+    stop = text[start : start + 4]
+    deltas, finals = stream_and_finals(
+        model, tokenizer, {"a": (prompt, SamplingParams(temperature=0, max_tokens=16, stop=[stop]))}
+    )
+    assert finals["a"].outputs[0].text == text[:start]
+    assert_streamed_once(deltas, finals)

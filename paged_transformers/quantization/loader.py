@@ -41,9 +41,10 @@ def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None
         path_or_id: a local folder with ``config.json`` and ``*.safetensors`` (sharded or not), or a
             hub id already in the local cache (resolved with ``huggingface_hub.snapshot_download``).
         dtype: the activation / non-quantized-weight dtype (``torch.float16``, ``torch.bfloat16``,
-            ``torch.float32`` or their names). None: the dtype the config declares (``"auto"`` for
-            plain checkpoints). An fp16-declared quantized checkpoint runs in bf16 as is: its fp16
-            scales are kept and converted to fp32 inside the kernel.
+            ``torch.float32`` or their names). None or ``"auto"``: the checkpoint's dtype, as
+            ``from_pretrained(dtype="auto")`` reads it (``config.dtype`` / ``torch_dtype``; fp16 for a
+            quantized checkpoint that declares none). An fp16-declared quantized checkpoint runs in
+            bf16 as is: its fp16 scales are kept and converted to fp32 inside the kernel.
         device: where to put the model; default ``"cuda"`` if available, else ``"cpu"``.
 
     Returns:
@@ -52,8 +53,9 @@ def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None
 
     Raises:
         NotImplementedError: an unsupported ``quant_method``, format, version or bit width (named).
-        ValueError: a checkpoint tensor whose shape does not match the model (the tensor is named),
-            a tensor with no place in the model, or a model tensor the checkpoint lacks.
+        ValueError: a local folder that does not exist; a checkpoint tensor whose shape does not
+            match the model (the tensor is named), a tensor with no place in the model, or a model
+            tensor the checkpoint lacks.
 
     Examples:
         >>> model = load_model("../shared/fixtures/models/tiny-llama-gptq-4bit-g32-actorder-asym",
@@ -63,6 +65,8 @@ def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = None  # as from_pretrained's "auto": the checkpoint's own dtype
     folder = _resolve_folder(path_or_id)
     with open(os.path.join(folder, "config.json")) as f:
         config_dict = json.load(f)
@@ -282,6 +286,15 @@ def _resolve_folder(path_or_id) -> str:
     if os.path.exists(path):
         raise ValueError(f"{path!r} is not a folder")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+        is_repo_id = not isinstance(path_or_id, os.PathLike)  # a Path is always meant as a folder
+    except HFValidationError:  # e.g. an absolute or ./relative path, or more than one "/"
+        is_repo_id = False
+    if not is_repo_id:
+        raise ValueError(f"the folder {path!r} does not exist (and it is not a hub id)")
 
     return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
 
