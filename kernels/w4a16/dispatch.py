@@ -112,7 +112,7 @@ def _tile(algo: str, block_m: int, block_n: int, block_k: int, num_warps: int, n
 RULES = (
     # 4096 x 14336: 13.7 us vs bf16 30.4 (2.22x); 0.8 us faster than 2048-column tiles on q|k|v (7.8 vs 8.7)
     Rule(1, 1, ANY_SHAPE, _tile("gemv", 1, 512, 64, 2, 1), 8),
-    # 4096 x 4096 at M = 16: 9.6 us vs bf16 13.2 (1.38x), where DOT_SWAP takes 16.9
+    # 4096 x 4096 at M = 16: 9.6 us vs bf16 13.2 (1.38x); DOT_SWAP took 16.9 there (round 3)
     Rule(1, 16, ANY_SHAPE, _tile("tc", 16, 64, 128, 4, 3), 4),
     # 4096 x 14336 at M = 64: 39.8 us vs DEQUANT_MATMUL's 73.5 (docs/benchmark-history.md, round 7)
     Rule(17, 64, (WIDE,), _tile("tc", 64, 128, 128, 8, 3), 0),
