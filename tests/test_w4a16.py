@@ -1,5 +1,6 @@
-"""The W4A16 Triton kernel against its PyTorch reference (``w4a16_matmul_ref``), under the Triton
-interpreter on CPU (tiny shapes: the interpreter is slow) and at a real size on CUDA when present.
+"""The W4A16 Triton kernels against their PyTorch reference (``w4a16_matmul_ref``), under the Triton
+interpreter on CPU (tiny shapes: the interpreter is slow) and at a real size on CUDA when present: every kernel
+``default_config`` picks, with its default configs (``test_default_config_regimes_match_reference``) and off them.
 
 The reference dequantizes exactly in float32; with float32 activations the kernel must agree to
 float32 rounding (1e-5 relative), with fp16 activations to fp16 rounding of the weight and the
@@ -14,6 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from paged_transformers.kernels import w4a16 as k  # noqa: E402
+from paged_transformers.kernels.w4a16 import dispatch, matmul  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -51,21 +53,13 @@ A = k.W4A16Algo
 # (M, K, N, bits, group_size, config), one case per algo and group layout: K not a multiple of BLOCK_K,
 # per-channel (group = K), several groups per tile, one group spanning tiles, 8-bit, split-K with bias.
 CASES = [
-    # GEMV: split-K + bias, per-channel K % BLOCK_K != 0 with the hand prefetch, 8 K steps over 3 splits (3, 3, 2:
-    # the prefetch clamped at each split's end), groups smaller than the tile, 8-bit, and the _field_magic
-    # variant (fold_exp=False)
+    # GEMV: a whole group per step + split-K + bias, per-channel K % BLOCK_K != 0, 8 K steps over 3 splits (3, 3, 2),
+    # groups smaller than the tile, 8-bit
     (1, 256, 48, 4, 128, k.W4A16Config(1, 16, 128, 2, algo=A.GEMV)),
-    (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, prefetch=True)),
-    (1, 512, 32, 4, 64, k.W4A16Config(1, 32, 64, 3, algo=A.GEMV, prefetch=True)),
+    (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV)),
+    (1, 512, 32, 4, 64, k.W4A16Config(1, 32, 64, 3, algo=A.GEMV)),
     (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.GEMV)),
-    (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, fold_exp=False)),
-    # GEMV biased_fma=15 (no FADD per weight; T = 12 is looser than fp32's 1e-5: test_gemv_biased_fma_*): a whole
-    # group per step + split-K + bias, per-channel K % BLOCK_K != 0 with the prefetch, groups smaller than the tile,
-    # 8-bit
-    (1, 256, 48, 4, 128, k.W4A16Config(1, 16, 128, 2, algo=A.GEMV, biased_fma=15)),
-    (1, 264, 40, 4, 264, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, prefetch=True, biased_fma=15)),
-    (1, 96, 40, 4, 32, k.W4A16Config(1, 32, 64, 1, algo=A.GEMV, biased_fma=15)),
-    (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, biased_fma=15)),
+    (1, 128, 64, 8, 64, k.W4A16Config(1, 32, 64, 2, algo=A.GEMV)),
     (5, 256, 48, 4, 128, k.W4A16Config(16, 16, 128, 2, algo=A.DOT)),
     (3, 96, 40, 4, 96, k.W4A16Config(16, 32, 64, 2, algo=A.DOT)),  # per-channel spanning tiles
     (5, 256, 48, 4, 32, k.W4A16Config(16, 16, 128, 1, algo=A.DOT_SWAP)),
@@ -85,7 +79,7 @@ def test_kernel_matches_reference_fp32(M, K, N, bits, group_size, config):
     ref = k.w4a16_matmul_ref(x, qweight, scales, zeros, bits, group_size, bias=bias)
     assert rel(out, ref) < 1e-5
     if config.split_k > 1:
-        ws, locks = k._WORKSPACE._buffers[x.device]
+        ws, locks = matmul._WORKSPACE._buffers[x.device]
         assert not ws.any() and not locks.any(), "split-K must leave its workspace zeroed"
 
 
@@ -98,41 +92,30 @@ def test_kernel_default_config_fp16():
     assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 64)) < 2e-3
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("fold_exp", [True, False])
-def test_gemv_half_activations(dtype, fold_exp):
-    # bf16 x is read as int32 pairs (a different code path from fp32/fp16); K % BLOCK_K != 0 masks the last pair
-    K, N = 200, 64
-    _, qweight, scales, zeros = random_layer(K, N, 4, 8)
-    x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
-    cfg = k.W4A16Config(1, 32, 64, 2, algo=A.GEMV, fold_exp=fold_exp)
-    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 8, config=cfg)
-    assert out.dtype == dtype
-    # bf16 output rounding is 2**-9 relative (fp16: 2**-12)
-    assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 8)) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
-
-
-# (dtype, biased_fma T, bits, K, group_size, BLOCK_K, split_k, bias): bf16 and fp16, T = 12 and 15, groups of 32, 64,
-# 128 and per-channel, one group per step and several, K % BLOCK_K != 0, split-K, bias, 8-bit
-BIASED_CASES = [
-    (torch.bfloat16, 12, 4, 256, 128, 128, 2, True),
-    (torch.float16, 12, 4, 192, 64, 128, 1, False),
-    (torch.bfloat16, 15, 4, 160, 32, 64, 3, False),
-    (torch.float16, 15, 4, 264, 264, 64, 2, True),
-    (torch.bfloat16, 12, 8, 128, 64, 64, 2, True),
-    (torch.float16, 15, 8, 136, 136, 64, 1, False),
+# (dtype, bits, K, group_size, BLOCK_K, split_k, bias): bf16 (read as int32 pairs, a code path of its own) and fp16,
+# groups of 8, 32, 64, 128 and per-channel, one group per step and several, K % BLOCK_K != 0 (the last pair masked),
+# split-K, bias, 8-bit
+HALF_GEMV_CASES = [
+    (torch.bfloat16, 4, 200, 8, 64, 2, False),
+    (torch.float16, 4, 200, 8, 64, 2, False),
+    (torch.bfloat16, 4, 256, 128, 128, 2, True),
+    (torch.float16, 4, 192, 64, 128, 1, False),
+    (torch.bfloat16, 4, 160, 32, 64, 3, False),
+    (torch.float16, 4, 264, 264, 64, 2, True),
+    (torch.bfloat16, 8, 128, 64, 64, 2, True),
+    (torch.float16, 8, 136, 136, 64, 1, False),
 ]
 
 
-@pytest.mark.parametrize("dtype,T,bits,K,group_size,block_k,split_k,bias", BIASED_CASES)
-def test_gemv_biased_fma_half(dtype, T, bits, K, group_size, block_k, split_k, bias):
-    # the bias B_J of each field and the zero point are removed once per group and column (_gemv_step_biased); its
-    # error bound (docstring) is ~1e-5 of ||x|| for T = 12, far below the half-precision output rounding checked here
+@pytest.mark.parametrize("dtype,bits,K,group_size,block_k,split_k,bias", HALF_GEMV_CASES)
+def test_gemv_half_activations(dtype, bits, K, group_size, block_k, split_k, bias):
+    # the bias B_J of each field and the zero point are removed once per group and column (gemv_kernels._gemv_step);
+    # its error bound (docstring) is far below the half-precision output rounding checked here
     N = 40
     _, qweight, scales, zeros = random_layer(K, N, bits, group_size, seed=7)
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
     b = torch.randn(N, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE) if bias else None
-    cfg = k.W4A16Config(1, 32, block_k, split_k, algo=A.GEMV, biased_fma=T)
+    cfg = k.W4A16Config(1, 32, block_k, split_k, algo=A.GEMV)
     out = k.w4a16_matmul(x, qweight, scales, zeros, bits, group_size, bias=b, config=cfg)
     ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, bits, group_size, bias=b)
     assert out.dtype == dtype and out.shape == (1, N)
@@ -144,8 +127,8 @@ def test_gemv_biased_fma_half(dtype, T, bits, K, group_size, block_k, split_k, b
     assert rel(k.w4a16_matmul_ref(x.float(), qweight, scales, zeros + off, bits, group_size, bias=b), ref) > 5 * tol
 
 
-@pytest.mark.parametrize("bits,T", [(4, 12), (4, 15), (8, 15)])
-def test_gemv_biased_fma_fields_exact(bits, T):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_fields_exact(bits):
     # every value in every field position, x_k = 1 + k % 7 (integers): every partial sum of P = sum x (B + q) stays an
     # integer below 2**24, so P, C = sum x B and X = sum x are exact and the output must equal the integer
     # sum_k x_k (q_k - z) exactly; a misplaced field, a wrong B_J or a wrong zero term changes it
@@ -159,7 +142,7 @@ def test_gemv_biased_fma_fields_exact(bits, T):
         zeros = torch.full((1, N), z, dtype=torch.int16)
         x = (1 + torch.arange(K) % 7).float().view(1, K)
         out = k.w4a16_matmul(x, k.pack_rows(q, bits), scales, zeros, bits, K,
-                             config=k.W4A16Config(1, N if bits == 4 else 64, 128, 1, algo=A.GEMV, biased_fma=T))
+                             config=k.W4A16Config(1, N if bits == 4 else 64, 128, 1, algo=A.GEMV))
         expected = (x.double() @ (q - z).double()).float()
         assert torch.equal(out, expected), (out - expected).abs().max()
 
@@ -182,32 +165,20 @@ def test_config_validation():
     assert k.W4A16Config(1, 16, 64, algo="gemv").algo is A.GEMV
     with pytest.raises(ValueError, match="algo"):
         k.W4A16Config(1, 16, 64, algo="cutlass")
-    for removed in ("fma", "tiled"):  # removed in round 3 (slower than GEMV / dequantize + cuBLAS on the H200)
-        with pytest.raises(ValueError, match=removed):
-            k.W4A16Config(1, 16, 64, algo=removed)
     with pytest.raises(ValueError, match="positive"):
         k.W4A16Config(1, 16, 64, split_k=0)
-    with pytest.raises(ValueError, match="biased_fma"):
-        k.W4A16Config(1, 16, 64, algo="gemv", biased_fma=13)
-    with pytest.raises(ValueError, match="biased_fma must be 0"):
-        k.W4A16Config(1, 16, 64, algo="gemv", biased_fma=12.0)  # exact ints only: the kernel needs a constexpr int
-    with pytest.raises(ValueError, match="is a GEMV option"):
-        k.W4A16Config(16, 16, 64, algo="dot", biased_fma=15)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         k.W4A16Config(16, 48, 64)
     with pytest.raises(ValueError, match="num_warps must be a power of two"):
         k.W4A16Config(16, 16, 64, num_warps=3)
-    with pytest.raises(ValueError, match="tc_perm must be a bool"):
-        k.W4A16Config(16, 64, 128, algo="tc", tc_perm="no")
     for bad in (True, 48.5):
         with pytest.raises(ValueError, match="block_n must be a positive int"):
             k.W4A16Config(1, bad, 64)
-    assert str(k.W4A16Config(1, 1024, 128, 4, 8, 1, A.GEMV, biased_fma=12)) == "gemv 1x1024x128 split4 w8 s1 bfma12"
-    with pytest.raises(ValueError, match="reshape_fma"):
-        k.W4A16Config(1, 16, 64, algo="reshape_fma")  # removed in round 2
     assert k.split_k_for(num_tiles=32, k_iters=32, num_sms=132) == 17
     assert k.split_k_for(num_tiles=1000, k_iters=32, num_sms=132) == 1
     assert k.split_k_for(num_tiles=1, k_iters=8, num_sms=132) == 8
+    with pytest.raises(ValueError, match="M >= 1"):
+        k.default_config(0, 64, 64, 64, torch.device("cpu"))
 
 
 def test_empty_batch_gives_empty_output():
@@ -236,50 +207,52 @@ def test_kernel_rejects_bad_arguments():
         k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(1, 16, 64, algo=A.GEMV))
 
 
-def test_default_config_rules():
-    # the H200 winners (round 8 at M = 1, round 1 above), reproduced by the rules (132 SMs)
-    cpu = torch.device("cpu")
-    assert str(k.default_config(1, 4096, 4096, 128, cpu)) == "gemv 1x512x64 split64 w2 s1 bfma15"
-    assert str(k.default_config(1, 14336, 4096, 128, cpu)) == "gemv 1x512x64 split38 w2 s1 bfma15"
-    assert str(k.default_config(1, 4096, 14336, 128, cpu)) == "gemv 1x512x64 split132 w2 s1 bfma15"
-    # the fused q|k|v of GQA models (4096 x 6144): the same rule (8.7 us with round 7's 2048-column tiles, 7.8 now)
-    assert str(k.default_config(1, 6144, 4096, 128, cpu)) == "gemv 1x512x64 split64 w2 s1 bfma15"
-    assert str(k.default_config(4, 4096, 4096, 128, cpu)) == "dot 16x64x128 split9 w4 s3"
-    assert str(k.default_config(4, 14336, 4096, 128, cpu)) == "dot 16x128x128 split5 w4 s3"
-    assert str(k.default_config(16, 4096, 14336, 128, cpu)) == "dot 16x128x128 split17 w4 s3"
-    assert str(k.default_config(16, 4096, 4096, 128, cpu)) == "dot_swap 16x64x128 split9 w4 s3"
-    assert k.default_config(256, 4096, 4096, 128, cpu).algo is A.DEQUANT_MATMUL
-    # M = 1 with groups that are not whole int32 words cannot take the GEMV: the M <= 4 rule
-    assert str(k.default_config(1, 4096, 4096, 4, cpu)) == "dot 16x64x128 split9 w4 s3"
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+# (M, N, K, group_size, bits, x dtype, device, the algo default_config must pick): each regime of dispatch.RULES, off
+# the tile grid (N % BLOCK_N != 0, K % BLOCK_K != 0), and the cases that fall through to the next rule
+REGIMES = [
+    (1, 40, 264, 264, 4, torch.bfloat16, CUDA, A.GEMV),  # per-channel
+    (1, 48, 256, 32, 8, torch.float16, CPU, A.GEMV),  # 8-bit, groups smaller than a K step
+    (1, 64, 96, 4, 4, torch.bfloat16, CPU, A.DOT),  # groups of less than an int32 word: no GEMV
+    (4, 40, 264, 264, 4, torch.bfloat16, CUDA, A.TC),
+    (16, 72, 128, 128, 4, torch.float16, CUDA, A.TC),
+    (40, 520, 256, 128, 4, torch.bfloat16, CUDA, A.TC),  # wide, 17 <= M <= 64: 64-row tiles, no split-K
+    (40, 72, 384, 128, 4, torch.bfloat16, CUDA, A.TC),  # tall, 17 <= M <= 64: 64-row tiles, split-K
+    (40, 96, 128, 128, 4, torch.bfloat16, CUDA, A.DEQUANT_MATMUL),  # square, M > 16
+    (70, 520, 256, 128, 4, torch.bfloat16, CUDA, A.DEQUANT_MATMUL),  # M > 64
+    (4, 64, 96, 32, 4, torch.bfloat16, CUDA, A.DOT),  # no TC: a K step would span groups
+    (8, 64, 96, 96, 8, torch.bfloat16, CUDA, A.DOT_SWAP),  # no TC: 8-bit; square, M > 4
+    (8, 272, 128, 128, 4, torch.float32, CPU, A.DOT),  # no TC: CPU; wide
+    (20, 40, 264, 264, 4, torch.float32, CPU, A.DEQUANT_MATMUL),  # no TC, M > 16
+]
 
 
-def test_default_config_takes_tc_asm_on_cuda(monkeypatch):
-    # round 5 (H200): TC_ASM 16x64x128 tc_perm for M = 2..16 on CUDA, 4-bit, half x, whole-step groups; else DOT
-    monkeypatch.setattr(k, "_num_sms", lambda device: 132)
-    cuda = torch.device("cuda")
-    assert str(k.default_config(4, 4096, 4096, 128, cuda)) == "tc_asm 16x64x128 split9 w4 s3 perm"
-    assert str(k.default_config(16, 14336, 4096, 128, cuda)) == "tc_asm 16x64x128 split3 w4 s3 perm"
-    assert str(k.default_config(16, 4096, 14336, 128, cuda)) == "tc_asm 16x64x128 split9 w4 s3 perm"
-    assert str(k.default_config(8, 4096, 4104, 4104, cuda)) == "tc_asm 16x64x128 split9 w4 s3 perm"  # per-channel
-    assert k.default_config(1, 4096, 4096, 128, cuda).algo is A.GEMV
-    for kw in (dict(bits=8), dict(dtype=torch.float32)):
-        assert k.default_config(4, 4096, 4096, 128, cuda, **kw).algo is A.DOT
-    assert k.default_config(4, 4096, 4096, 64, cuda).algo is A.DOT  # a 128-row K step would span two groups
-    assert k.default_config(17, 4096, 4096, 128, cuda).algo is A.DEQUANT_MATMUL
-    # round 6 (H200, M = 64 only: 40.0 vs DEQUANT_MATMUL 73.2 us): wide weights (N >= 2K) at 16 < M <= 64 with TC
-    wide64 = "tc_asm 64x128x128 split1 w8 s3 perm"
-    for M in (17, 40, 64):
-        assert str(k.default_config(M, 14336, 4096, 128, cuda)) == wide64
-    assert str(k.default_config(64, 8192, 4096, 4096, cuda)) == wide64  # N = 2K exactly, per-channel
-    assert str(k.default_config(16, 14336, 4096, 128, cuda)) == "tc_asm 16x64x128 split3 w4 s3 perm"
-    # round 7 (H200, M = 64: 48.5 vs DEQUANT_MATMUL 77.6 us): tall weights (K >= 2N) too, split-K to 2 programs per SM
-    for M in (17, 32, 64):
-        assert str(k.default_config(M, 4096, 14336, 128, cuda)) == "tc_asm 64x128x128 split9 w8 s3 perm"
-    for M, N, K in ((65, 14336, 4096), (256, 14336, 4096), (256, 4096, 14336), (64, 4096, 4096), (64, 8191, 4096)):
-        assert k.default_config(M, N, K, 128, cuda).algo is A.DEQUANT_MATMUL, (M, N, K)  # M > 64, square
-    for kw in (dict(bits=8), dict(dtype=torch.float32), dict(group_size=64)):  # not TC-eligible
-        assert k.default_config(64, 14336, 4096, device=cuda, **{"group_size": 128, **kw}).algo is A.DEQUANT_MATMUL
-    assert k.default_config(64, 14336, 4096, 128, torch.device("cpu")).algo is A.DEQUANT_MATMUL
+@pytest.mark.parametrize("M,N,K,group_size,bits,dtype,device,algo", REGIMES)
+def test_default_config_regimes_match_reference(M, N, K, group_size, bits, dtype, device, algo, monkeypatch):
+    # the config default_config picks for the H200 (132 SMs; device and dtype as given), run under the interpreter
+    # with fp32 x against the reference (the TC kernel there unpacks with bit ops instead of its inline PTX)
+    monkeypatch.setattr(dispatch, "_num_sms", lambda device: 132)
+    cfg = k.default_config(M, N, K, group_size, device, bits, dtype)
+    assert cfg.algo is algo, cfg
+    if HAS_CUDA:
+        pytest.skip("float32 activations are an interpreter-only case; CUDA: test_kernel_real_size_cuda")
+    _, qweight, scales, zeros = random_layer(K, N, bits, group_size, seed=M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    out = k.w4a16_matmul(x, qweight, scales, zeros, bits, group_size, bias=bias, config=cfg)
+    ref = k.w4a16_matmul_ref(x, qweight, scales, zeros, bits, group_size, bias=bias)
+    assert rel(out, ref) < 1e-5
+    # the check can fail: the zero point off by one (what a misplaced field or wrong magic looks like) is far outside
+    off = 1 << (bits - 4)
+    assert rel(k.w4a16_matmul_ref(x, qweight, scales, zeros + off, bits, group_size, bias=bias), ref) > 1e-3
+
+
+def test_default_config_rules_fit_one_row_of_tiles():
+    # default_config counts split-K over one row of output tiles, which holds when every rule's M fits one tile
+    for rule in dispatch.RULES:
+        assert rule.max_m <= rule.config.block_m or rule.config.algo == A.DEQUANT_MATMUL, rule
+        assert rule.config.split_k == 1, rule  # the split comes from programs_per_sm
 
 
 def test_custom_op_is_one_node_under_torch_compile():
@@ -297,11 +270,11 @@ def test_custom_op_is_one_node_under_torch_compile():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (real-size check)")
-@pytest.mark.parametrize("M,K,N,algo", [(1, 4096, 4096, A.GEMV), (1, 4096, 6144, A.GEMV), (4, 4096, 4096, A.TC_ASM),
-                                         (16, 4096, 4096, A.TC_ASM), (256, 4096, 4096, A.DEQUANT_MATMUL),
-                                         (64, 4096, 14336, A.TC_ASM),
-                                         (33, 4096, 14336, A.TC_ASM), (64, 14336, 4096, A.TC_ASM),
-                                         (40, 14336, 4096, A.TC_ASM), (64, 4096, 4096, A.DEQUANT_MATMUL)])
+@pytest.mark.parametrize("M,K,N,algo", [(1, 4096, 4096, A.GEMV), (1, 4096, 6144, A.GEMV), (4, 4096, 4096, A.TC),
+                                         (16, 4096, 4096, A.TC), (256, 4096, 4096, A.DEQUANT_MATMUL),
+                                         (64, 4096, 14336, A.TC),
+                                         (33, 4096, 14336, A.TC), (64, 14336, 4096, A.TC),
+                                         (40, 14336, 4096, A.TC), (64, 4096, 4096, A.DEQUANT_MATMUL)])
 def test_kernel_real_size_cuda(M, K, N, algo):
     # the default config of each rule (algo: the one default_config must pick on CUDA for this shape)
     assert k.default_config(M, N, K, 128, DEVICE).algo is algo
@@ -311,20 +284,20 @@ def test_kernel_real_size_cuda(M, K, N, algo):
     assert rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)) < 1e-2
 
 
-# W4A16Algo.TC (issue 7 round 5): (M, K, N, group_size, config, x dtype). The interpreter runs TC only (TC_ASM is
-# inline PTX) and only fp32/fp16 x (its bf16 arithmetic and bf16 tl.dot are wrong: DOT_SWAP fails there too).
-# Cases: split-K + bias, groups of 64 = BLOCK_K and 128 = 2 steps, per-channel with K % BLOCK_K != 0 (masked last
-# step), tc_perm (the K order of the MMA fragment) with BLOCK_K 32 and 64, M past one BLOCK_M tile, N % BLOCK_N != 0.
+# W4A16Algo.TC: (M, K, N, group_size, config, x dtype). The interpreter runs only fp32/fp16 x (its bf16 arithmetic
+# and bf16 tl.dot are wrong: DOT_SWAP fails there too). Cases: split-K + bias, groups of 64 = BLOCK_K and 128 = 2
+# steps, per-channel with K % BLOCK_K != 0 (masked last step), BLOCK_K 32 and 64, M past one BLOCK_M tile,
+# N % BLOCK_N != 0.
 TC_CASES = [
     (5, 256, 48, 128, k.W4A16Config(16, 16, 64, 2, algo=A.TC), torch.float32),
     (3, 264, 40, 264, k.W4A16Config(16, 32, 64, 1, algo=A.TC), torch.float32),
-    (3, 264, 40, 264, k.W4A16Config(16, 32, 32, 3, algo=A.TC, tc_perm=True), torch.float32),
-    (2, 256, 64, 64, k.W4A16Config(16, 32, 64, 2, algo=A.TC, tc_perm=True), torch.float32),
-    (18, 128, 24, 128, k.W4A16Config(16, 16, 64, 1, algo=A.TC, tc_perm=True), torch.float16),
+    (3, 264, 40, 264, k.W4A16Config(16, 32, 32, 3, algo=A.TC), torch.float32),
+    (2, 256, 64, 64, k.W4A16Config(16, 32, 64, 2, algo=A.TC), torch.float32),
+    (18, 128, 24, 128, k.W4A16Config(16, 16, 64, 1, algo=A.TC), torch.float16),
     (4, 256, 64, 64, k.W4A16Config(16, 32, 64, 2, algo=A.TC), torch.float16),
-    # the 64-row tiles of the wide 17 <= M <= 64 default (round 6): M below one tile, and two M tiles
-    (40, 128, 32, 128, k.W4A16Config(64, 32, 64, 1, algo=A.TC, tc_perm=True), torch.float32),
-    (70, 128, 16, 64, k.W4A16Config(64, 16, 64, 1, algo=A.TC, tc_perm=True), torch.float16),
+    # the 64-row tiles of the wide and tall 17 <= M <= 64 rules: M below one tile, and two M tiles
+    (40, 128, 32, 128, k.W4A16Config(64, 32, 64, 1, algo=A.TC), torch.float32),
+    (70, 128, 16, 64, k.W4A16Config(64, 16, 64, 1, algo=A.TC), torch.float16),
 ]
 
 
@@ -344,11 +317,11 @@ def test_tc_matches_reference(M, K, N, group_size, config, dtype):
     # the check can fail: the zero point off by one (what a misplaced field or wrong magic looks like) is far outside
     assert rel(k.w4a16_matmul_ref(x.float(), qweight, scales, zeros + 1, 4, group_size), ref) > 20 * tol
     if config.split_k > 1:
-        ws, locks = k._WORKSPACE._buffers[x.device]
+        ws, locks = matmul._WORKSPACE._buffers[x.device]
         assert not ws.any() and not locks.any(), "split-K must leave its workspace zeroed"
 
 
-def test_tc_perm_fields_exact():
+def test_tc_fields_exact():
     # every 4-bit value at every field position, x = the identity: out = the dequantized weight's transpose, exactly
     # (a field landing on the wrong input row or a wrong x column order would move values)
     if HAS_CUDA:
@@ -357,10 +330,8 @@ def test_tc_perm_fields_exact():
     q = ((torch.arange(K).view(K, 1) * 3 + torch.arange(N).view(1, N)) % 16).to(torch.int32)
     scales = torch.ones(1, N, dtype=torch.float16)
     zeros = torch.full((1, N), 16, dtype=torch.int16)
-    for perm in (False, True):
-        cfg = k.W4A16Config(K, N, 64, 1, algo=A.TC, tc_perm=perm)
-        out = k.w4a16_matmul(torch.eye(K), k.pack_rows(q, 4), scales, zeros, 4, K, config=cfg)
-        assert torch.equal(out, (q - 16).float()), perm
+    out = k.w4a16_matmul(torch.eye(K), k.pack_rows(q, 4), scales, zeros, 4, K, config=k.W4A16Config(K, N, 64, 1, algo=A.TC))
+    assert torch.equal(out, (q - 16).float())
 
 
 def test_tc_rejects_what_it_cannot_run():
@@ -372,53 +343,39 @@ def test_tc_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="4-bit"):
         k.w4a16_matmul(x, q8, s8, z8, 8, 128, config=k.W4A16Config(16, 16, 64, algo=A.TC))
     with pytest.raises(ValueError, match="block_k % 32"):
-        k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(16, 16, 16, algo=A.TC, tc_perm=True))
-    with pytest.raises(ValueError, match="tc_perm is a TC"):
-        k.W4A16Config(16, 16, 64, algo=A.DOT, tc_perm=True)
-    for algo in (A.DOT, A.DOT_SWAP, A.DEQUANT_MATMUL, A.TC, A.TC_ASM):  # prefetch only ever meant the GEMV's
-        with pytest.raises(ValueError, match=f"prefetch is a GEMV option, but algo is '{algo.value}'"):
-            k.W4A16Config(16, 16, 64, algo=algo, prefetch=True)
-    assert str(k.W4A16Config(1, 512, 64, 33, 4, 1, A.GEMV, prefetch=True)) == "gemv 1x512x64 split33 w4 s1 pf"
-    for removed in ("tc_prescale", "tc_x_index"):  # round 6: slower or equal on the H200 (_tc_kernel_fn's NOTE)
-        with pytest.raises(TypeError, match=removed):
-            k.W4A16Config(16, 16, 64, algo=A.TC, **{removed: True})
-    if not HAS_CUDA:
-        with pytest.raises(ValueError, match="inline PTX"):
-            k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(16, 16, 32, algo=A.TC_ASM))
-    assert str(k.W4A16Config(16, 128, 128, 4, algo=A.TC_ASM, tc_perm=True)) == "tc_asm 16x128x128 split4 w4 s3 perm"
+        k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(16, 16, 16, algo=A.TC))
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (TC_ASM is inline PTX; bf16 tl.dot)")
-@pytest.mark.parametrize("algo", [A.TC, A.TC_ASM])
-@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (inline PTX; bf16 tl.dot)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_tc_cuda(algo, perm, dtype):
+def test_tc_cuda(dtype):
     _, qweight, scales, zeros = random_layer(4096, 1000, 4, 128)
     x = torch.randn(7, 4096, device=DEVICE, dtype=dtype)
     bias = torch.randn(1000, device=DEVICE, dtype=dtype)
-    cfg = k.W4A16Config(16, 128, 128, 4, algo=algo, tc_perm=perm)
+    cfg = k.W4A16Config(16, 128, 128, 4, algo=A.TC)
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128, bias=bias, config=cfg)
     ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128, bias=bias.float())
     assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (TC_ASM is inline PTX; bf16 tl.dot)")
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (inline PTX; bf16 tl.dot)")
 @pytest.mark.parametrize("M,K,N,group_size,cfg", [
-    # the wide 17 <= M <= 64 default (round 6), off the tile grid: N % 128 != 0, per-channel K % 128 != 0 with bias
-    (40, 4096, 1000, 128, k.W4A16Config(64, 128, 128, 1, 8, 3, A.TC_ASM, tc_perm=True)),
-    (64, 4104, 1000, 4104, k.W4A16Config(64, 128, 128, 1, 8, 3, A.TC_ASM, tc_perm=True)),
-    # --variants tc2's large tiles: several M tiles, and split-K (the bench's next experiment)
-    (200, 4096, 1024, 128, k.W4A16Config(128, 128, 128, 1, 8, 3, A.TC_ASM, tc_perm=True)),
-    (200, 4096, 1024, 128, k.W4A16Config(64, 128, 128, 5, 8, 3, A.TC_ASM, tc_perm=True)),
-    # the tall 17 <= M <= 64 default (round 7: split-K), off the grid: a part-filled row tile, per-channel K % 128 != 0,
+    # the wide 17 <= M <= 64 rule, off the tile grid: N % 128 != 0, per-channel K % 128 != 0 with bias
+    (40, 4096, 1000, 128, k.W4A16Config(64, 128, 128, 1, 8, 3, A.TC)),
+    (64, 4104, 1000, 4104, k.W4A16Config(64, 128, 128, 1, 8, 3, A.TC)),
+    # several M tiles, and split-K
+    (200, 4096, 1024, 128, k.W4A16Config(128, 128, 128, 1, 8, 3, A.TC)),
+    (200, 4096, 1024, 128, k.W4A16Config(64, 128, 128, 5, 8, 3, A.TC)),
+    # the tall 17 <= M <= 64 rule (split-K), off the grid: a part-filled row tile, per-channel K % 128 != 0,
     # N % 128 != 0, with bias; and the config default_config picks for it
-    (40, 4104, 1000, 4104, k.W4A16Config(64, 128, 128, 33, 8, 3, A.TC_ASM, tc_perm=True)),
+    (40, 4104, 1000, 4104, k.W4A16Config(64, 128, 128, 33, 8, 3, A.TC)),
     (17, 14336, 4096, 128, None),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
     if cfg is None:
-        assert str(k.default_config(M, N, K, group_size, DEVICE, dtype=dtype)).startswith("tc_asm 64x128x128")
+        picked = k.default_config(M, N, K, group_size, DEVICE, dtype=dtype)
+        assert (picked.algo, picked.block_m) == (A.TC, 64), picked
     _, qweight, scales, zeros = random_layer(K, N, 4, group_size)
     x = torch.randn(M, K, device=DEVICE, dtype=dtype)
     bias = torch.randn(N, device=DEVICE, dtype=dtype)

@@ -2,7 +2,7 @@
 
 Usage (GPU)::
 
-    python benchmarks/bench_gemv.py --out $OUT/gemv_h200.json      # about 1 minute
+    python research/bench_gemv.py --out $OUT/gemv_h200.json      # about 1 minute
 
 For each projection of a Llama-3-8B layer as the engine runs it (q|k|v and gate|up fused) and the LM head,
 ``x [1, K] @ W[N, K]^T`` in bf16: first every candidate config (``CANDIDATES``) and the default are checked
@@ -17,12 +17,14 @@ import argparse
 import datetime
 import json
 import math
+import pathlib
 import platform
 import sys
 
 import torch
 
-from bench_w4a16 import graph_time_ms  # the same CUDA-graph clock (this folder is on sys.path when run as a script)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_w4a16 import graph_time_ms  # noqa: E402 (the same CUDA-graph clock)
 
 from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, WIDE_GEMV_CONFIG, GemvConfig, gemv, gemv_ref
 
@@ -52,7 +54,7 @@ def check(cfg: GemvConfig | None, N: int, K: int, dev) -> float:
 
 
 def graph_time_us(fn) -> float:
-    """Device time per call (us) of ``fn(i)``: ``bench_w4a16.graph_time_ms`` (16 calls captured in one CUDA graph,
+    """Device time per call (us) of ``fn(i)``: ``benchmarks/bench_w4a16.graph_time_ms`` (16 calls captured in one CUDA graph,
     replayed 20 times)."""
     return graph_time_ms(fn) * 1e3
 
@@ -67,7 +69,7 @@ def main() -> None:
     import triton
 
     dev = torch.device("cuda")
-    report = {"command": "python benchmarks/bench_gemv.py", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"command": "python research/bench_gemv.py", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(dev),
               "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                            "python": platform.python_version(), "cuda": torch.version.cuda},

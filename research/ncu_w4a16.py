@@ -1,9 +1,10 @@
 """One launch of each W4A16 default kernel (and of the bf16 matmul of the same shape) between
-cudaProfilerStart/Stop, for Nsight Compute. Usage on the GPU machine (BENCHMARKS.md, issue 7 round 3)::
+cudaProfilerStart/Stop, for Nsight Compute. Usage on the GPU machine (docs/benchmark-history.md, issue 7 rounds 3
+and 7)::
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
-        --section SourceCounters python3 benchmarks/ncu_w4a16.py > $OUT/ncu_w4a16.txt
+        --section SourceCounters python3 research/ncu_w4a16.py > $OUT/ncu_w4a16.txt
 
 Shapes: the Llama-3-8B layers (K x N = 4096x4096, 4096x14336, 14336x4096), group 128, bf16, M = 1 and 16.
 """

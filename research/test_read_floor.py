@@ -1,7 +1,7 @@
-"""``benchmarks/read_floor.py``, the read-only kernel behind ``bench_w4a16.py --variants floor``: its program
-checksums add up to ``checksum_ref`` (every packed word once, each group's scale and zero rows once per split that
-touches them), so the floor it times cannot skip bytes; and ``empty_launch``, the launch cost under it. Runs in
-Triton's interpreter without CUDA."""
+"""``research/read_floor.py``, the read-only kernel: its program checksums add up to ``checksum_ref`` (every packed
+word once, each group's scale and zero rows once per split that touches them), so the floor it times cannot skip
+bytes; and ``empty_launch``, the launch cost under it. Without CUDA it runs in Triton's interpreter:
+``TRITON_INTERPRET=1 python -m pytest research/test_read_floor.py``."""
 
 import importlib.util
 import pathlib
@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "read_floor.py"
+_PATH = pathlib.Path(__file__).resolve().parent / "read_floor.py"
 _spec = importlib.util.spec_from_file_location("read_floor", _PATH)
 read_floor = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(read_floor)

@@ -1,0 +1,170 @@
+"""Launch configurations of ``w4a16_matmul``: ``W4A16Config``, and ``default_config``, a table of rules on the shape."""
+
+import dataclasses
+import enum
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+class W4A16Algo(enum.Enum):
+    """Which kernel a ``W4A16Config`` launches (the package docstring describes each).
+
+    * ``GEMV``: the ``M = 1`` kernel (``gemv_kernel``), a 1-D fp32 accumulator; ``block_m`` must be 1;
+    * ``DOT`` / ``DOT_SWAP``: per-field unpack and one ``tl.dot`` per field (``dot_kernels``), the weight as the right
+      operand (``DOT``) or, transposed, as the left one (``DOT_SWAP``: ``BLOCK_M`` is then the MMA's small N);
+    * ``TC``: swap AB with the whole ``[BLOCK_N, BLOCK_K]`` tile dequantized to exact integers ``q - z`` and one
+      ``tl.dot`` per K step (``tc_kernel``; 4-bit, each K step in one group);
+    * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer, then
+      ``torch.matmul`` (cuBLAS), as exllama does for large batches.
+    """
+
+    GEMV = "gemv"
+    DOT = "dot"
+    DOT_SWAP = "dot_swap"
+    TC = "tc"
+    DEQUANT_MATMUL = "dequant_matmul"
+
+
+@dataclass(frozen=True, slots=True)
+class W4A16Config:
+    """Launch configuration of ``w4a16_matmul``: a ``[block_m, block_n]`` output tile per program, K steps of
+    ``block_k`` rows, ``split_k`` programs sharing each output tile (split-K), ``num_warps`` and ``num_stages`` as
+    Triton takes them, and the ``algo``, which may be given as its string value.
+
+    ``block_k`` must be a multiple of ``32 // bits`` (checked at launch, with the other per-algo limits).
+
+    Raises:
+        ValueError: an unknown ``algo``, a non-positive size, or a block size or ``num_warps`` that is not a power of
+            two (``tl.arange`` and Triton's warp count need one).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    algo: W4A16Algo = W4A16Algo.DOT
+
+    def __post_init__(self):
+        if not isinstance(self.algo, W4A16Algo):
+            try:
+                object.__setattr__(self, "algo", W4A16Algo(self.algo))
+            except ValueError:
+                raise ValueError(f"unknown W4A16 algo {self.algo!r}; allowed: {[a.value for a in W4A16Algo]}") from None
+        for name in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"W4A16Config.{name} must be a positive int, got {value!r}")
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"W4A16Config.{name} must be a power of two, got {value!r}")
+
+    def __str__(self) -> str:
+        return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
+                f"w{self.num_warps} s{self.num_stages}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 for anything else: the H200 we tune on)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
+    """Split-K count that gives about ``programs_per_sm`` programs per SM (each SM streams weights from
+    several programs at once), at most one K step per program.
+
+    Args: output tiles of the grid, K steps (``ceil(K / BLOCK_K)``), SMs of the device.
+    Returns: an int in ``[1, k_iters]``.
+    """
+    return max(1, min(k_iters, -(-programs_per_sm * num_sms // num_tiles)))
+
+
+SQUARE, WIDE, TALL = "square", "wide", "tall"
+ANY_SHAPE = (SQUARE, WIDE, TALL)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One row of ``RULES``: for ``min_m <= M <= max_m`` and a weight of one of ``shapes``, launch ``config`` (its
+    ``split_k`` replaced by ``split_k_for`` at ``programs_per_sm``, or left at 1 when that is 0). ``max_m <=
+    config.block_m`` in every row: one row of output tiles."""
+
+    min_m: int
+    max_m: int
+    shapes: tuple[str, ...]
+    config: W4A16Config
+    programs_per_sm: int
+
+
+def _tile(algo: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> W4A16Config:
+    return W4A16Config(block_m, block_n, block_k, 1, num_warps, num_stages, W4A16Algo(algo))
+
+
+# The first row that matches and whose kernel applies (``_applies``) wins. H200 device time per call, bf16 x, group
+# 128, next to bf16 torch.matmul of the shape (BENCHMARKS.md, the W4A16 run of record, unless said otherwise):
+RULES = (
+    # 4096 x 14336: 13.7 us vs bf16 30.4 (2.22x); 0.8 us faster than 2048-column tiles on q|k|v (7.8 vs 8.7)
+    Rule(1, 1, ANY_SHAPE, _tile("gemv", 1, 512, 64, 2, 1), 8),
+    # 4096 x 4096 at M = 16: 9.6 us vs bf16 13.2 (1.38x); DOT_SWAP took 16.9 there (round 3)
+    Rule(1, 16, ANY_SHAPE, _tile("tc", 16, 64, 128, 4, 3), 4),
+    # 4096 x 14336 at M = 64: 39.8 us vs DEQUANT_MATMUL's 73.5 (docs/benchmark-history.md, round 7)
+    Rule(17, 64, (WIDE,), _tile("tc", 64, 128, 128, 8, 3), 0),
+    # 14336 x 4096 at M = 64: 48.5 us vs DEQUANT_MATMUL's 77.6; without split-K 136.0 (round 7)
+    Rule(17, 64, (TALL,), _tile("tc", 64, 128, 128, 8, 3), 2),
+    # without TC (8-bit, fp32 x, groups of less than a K step, CPU): 4096 x 4096 at M = 4, 12.9 us vs bf16 12.8 (round 3)
+    Rule(1, 4, (SQUARE,), _tile("dot", 16, 64, 128, 4, 3), 4),
+    Rule(1, 16, (WIDE, TALL), _tile("dot", 16, 128, 128, 4, 3), 4),
+    # 4096 x 4096 at M = 16: 16.9 us vs bf16 13.1 (round 3)
+    Rule(5, 16, (SQUARE,), _tile("dot_swap", 16, 64, 128, 4, 3), 4),
+    # M = 256: 26.1 / 85.7 / 91.2 us, 0.65x / 0.51x / 0.52x of bf16; the fused Triton GEMMs tried reached 0.58x at best
+    Rule(1, 2**62, ANY_SHAPE, _tile("dequant_matmul", 128, 128, 128, 4, 3), 0),
+)
+
+
+def _applies(config: W4A16Config, K: int, group_size: int, device: torch.device, bits: int, dtype: torch.dtype) -> bool:
+    """Whether ``config``'s kernel can run this layer: the GEMV needs groups of whole int32 words (for 4 and 8 bits);
+    TC is inline PTX on CUDA for 4 bits and fp16/bf16 x, with every K step inside one group."""
+    if config.algo == W4A16Algo.GEMV:
+        return group_size % 8 == 0
+    if config.algo == W4A16Algo.TC:
+        return (device.type == "cuda" and bits == 4 and dtype in (torch.float16, torch.bfloat16)
+                and (group_size % config.block_k == 0 or group_size == K))
+    return True
+
+
+def weight_shape(N: int, K: int) -> str:
+    """``"wide"`` when ``N >= 2K`` (gate/up projections, 4096 x 14336), ``"tall"`` when ``K >= 2N`` (down projection,
+    14336 x 4096), else ``"square"`` (4096 x 4096)."""
+    return WIDE if N >= 2 * K else TALL if K >= 2 * N else SQUARE
+
+
+def default_config(M: int, N: int, K: int, group_size: int, device: torch.device, bits: int = 4,
+                   dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
+    """The launch configuration used when none is given: the first row of ``RULES`` for ``M`` and the weight's shape
+    (``weight_shape``) whose kernel applies, with its split-K from ``split_k_for`` (the device's SM count).
+
+    Each row is the fastest configuration of the H200 sweeps for its regime (docs/benchmark-history.md, issue 7): the
+    GEMV at M = 1, the tensor-core kernel up to 16 rows and for wide or tall weights up to 64, dequantize + cuBLAS
+    above. Batch-1 decode of a GPTQ 4-bit Llama-3-8B shape takes 2.60 ms per token with them, bf16 4.44 (1.71x).
+
+    Args: the GEMM sizes (``x [M, K] @ W [K, N]``), the group size, the device, the weight's bits and x's dtype.
+    Returns: a ``W4A16Config``.
+    Raises: ValueError: ``M < 1`` (``w4a16_matmul`` launches nothing for an empty batch).
+    """
+    if M < 1:
+        raise ValueError(f"default_config needs M >= 1, got {M}")
+    shape = weight_shape(N, K)
+    rule = next(r for r in RULES if r.min_m <= M <= r.max_m and shape in r.shapes
+                and _applies(r.config, K, group_size, device, bits, dtype))
+    cfg = rule.config
+    if not rule.programs_per_sm:
+        return cfg
+    split = split_k_for(-(-N // cfg.block_n), -(-K // cfg.block_k), _num_sms(device), rule.programs_per_sm)
+    return dataclasses.replace(cfg, split_k=split)
