@@ -24,9 +24,11 @@ Policies:
   (``model.to``, ``param.data = ...``) -> the engine is rebuilt with its config (logged at info). Writes through
   ``.data`` are invisible: call ``engine_for(model).reset_prefix_cache()`` or ``release(model)`` after them.
 - **Memory.** ``release(model)`` closes the engine (KV pool, graphs, compiled forwards and fused weights given
-  back); ``engine_for(model).sleep()`` frees the KV pool and graphs only, and the next call wakes it up. The
-  engine lives in a holder in ``model.__dict__`` that copies and pickles empty: ``copy.deepcopy(model)`` (an RL
-  reference model) gets no engine, and the engine is freed with its model.
+  back); ``engine_for(model).sleep()`` frees the KV pool and graphs only, and the next call wakes it up. Release
+  before moving the model to another device (``model.cpu()`` to free the GPU): until the next call rebuilds it,
+  the engine keeps its fused projection weights on the old device. The engine lives in a holder in
+  ``model.__dict__`` that copies and pickles empty: ``copy.deepcopy(model)`` (an RL reference model) gets no
+  engine, and the engine is freed when the model is garbage-collected.
 """
 
 import contextlib

@@ -26,6 +26,7 @@ from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_ge
 from paged_transformers.attention import ATTENTION_NAME
 from paged_transformers.warm import attached_engine, current_engine
 from paged_transformers.weights import WeightsChange, WeightsSnapshot
+from test_patch import left_pad
 
 PROMPTS = random_prompts(4, 18, 40, seed=11)  # 1-2 full blocks each: the prefix cache holds them after a call
 
@@ -36,13 +37,6 @@ def greedy(n: int) -> SamplingParams:
 
 def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
-
-
-def left_pad(prompts: list[list[int]], pad_id: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
