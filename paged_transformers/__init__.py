@@ -5,6 +5,7 @@ Public API::
 
     from paged_transformers import paged_generate, SamplingParams, EngineConfig, LLMEngine, PagedCache
     import paged_transformers; paged_transformers.patch()   # model.generate() through the engine
+    from paged_transformers import engine_for, release       # the model's warm engine; free it
 """
 
 from .cache import PagedCache
@@ -16,6 +17,7 @@ from .sampling_params import SamplingParams
 from .generation_config import PerRequest
 from .patches import patch, unpatch
 from .quantization import load_model
+from .warm import engine_for, release
 
 __version__ = "0.1.0"
 
@@ -29,8 +31,10 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "PerRequest",
+    "engine_for",
     "load_model",
     "paged_generate",
     "patch",
+    "release",
     "unpatch",
 ]

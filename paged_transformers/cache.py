@@ -58,18 +58,23 @@ class PagedCache(Cache):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         self.block_manager = BlockManager(num_blocks, block_size)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.key_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_cache = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_layers = num_layers
-        self.device = self.key_cache[0].device  # resolved ("cuda" -> "cuda:0"); kept after release()
+        self._shape, self._dtype = (num_blocks, block_size, num_kv_heads, head_dim), dtype
+        self.device = torch.empty(0, device=device).device  # resolved ("cuda" -> "cuda:0"); kept after release()
+        self.allocate()
         # generate() state (see the module docstring); untouched by the engine.
         self._rows: _GenerateRows | None = None
         self._pad_hint: list[int] | None = None
 
+    def allocate(self) -> None:
+        """(Re)allocate the K/V tensors, uninitialized, in the shape, dtype and device the cache was made with
+        (at construction, and ``LLMEngine.wake_up`` after ``release``)."""
+        self.key_cache = [torch.empty(self._shape, dtype=self._dtype, device=self.device) for _ in range(self.num_layers)]
+        self.value_cache = [torch.empty(self._shape, dtype=self._dtype, device=self.device) for _ in range(self.num_layers)]
+
     def release(self) -> None:
-        """Drop the K/V tensors (``LLMEngine.close``): their memory can go back to the device. The block
-        manager, with its counters, stays; the cache holds no K/V afterwards."""
+        """Drop the K/V tensors (``LLMEngine.close`` and ``sleep``): their memory can go back to the device. The
+        block manager, with its counters, stays; the cache holds no K/V until ``allocate``."""
         self.key_cache, self.value_cache = [], []
 
     @classmethod

@@ -10,6 +10,7 @@ from .engine import LLMEngine, check_loaded_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .streaming import run_engine
+from .warm import attached_engine
 
 
 def paged_generate(
@@ -25,8 +26,10 @@ def paged_generate(
 ) -> list[RequestOutput]:
     """Generate completions for many prompts with paged attention and continuous batching.
 
-    Every prompt is validated before any is queued, so a bad one raises before any KV block is
-    allocated. The model's attention implementation is restored on return.
+    The call runs on the model's warm engine (``paged_transformers.warm``: created on the first call, then
+    reused with its KV pool, compiled layers and CUDA graphs, and its prefix cache across calls). Every prompt
+    is validated before any is queued, so a bad one raises before any KV block is taken. On return (or on
+    error) the engine is detached: the model is its user's again, as it was.
 
     Args:
         model: a transformers causal LM (any dtype; weights on the device to run on).
@@ -37,7 +40,8 @@ def paged_generate(
             alone (``paged_transformers.generation_config``); unsupported options raise
             ``NotImplementedError`` naming them.
         tokenizer: a transformers tokenizer, for string prompts and output text.
-        engine_config: ``EngineConfig``; default ``EngineConfig()``.
+        engine_config: ``EngineConfig``; None: the warm engine as it is (``EngineConfig()`` when there is none).
+            A config other than the warm engine's rebuilds it (``warm.engine_for``).
         generation_config: used only when ``sampling_params`` is None.
         logits_processor: a ``LogitsProcessorList`` or list of processors applied to every request,
             after each request's own ``SamplingParams.logits_processors``. The same instances serve
@@ -54,6 +58,7 @@ def paged_generate(
         ValueError: ``model`` not a loaded model (a path: load it with ``paged_transformers.load_model``),
             ``prompts`` not a list, a bad prompt (index named), a list of ``sampling_params`` of
             another length, or any error ``LLMEngine`` raises for the model or configuration.
+        RuntimeError: called from inside a call on the same model (e.g. from a logits processor).
 
     Examples:
         >>> import torch
@@ -83,7 +88,7 @@ def paged_generate(
     if logits_processor and params_list is not None:
         params_list = [_with_processors(p, list(logits_processor)) for p in params_list]
 
-    with LLMEngine(model, tokenizer=tokenizer, engine_config=engine_config) as engine:
+    with attached_engine(model, tokenizer=tokenizer, engine_config=engine_config) as engine:
         stopping = None
         if params_list is None:
             params_list, stopping = _params_from_generation_config(

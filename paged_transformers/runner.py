@@ -6,9 +6,12 @@ metadata in buffers allocated once (vLLM's persistent input buffers; nano-vllm's
     host (pinned, numpy views)  --one non_blocking copy per field-->  device buffers (max sizes)
 
 and builds them with numpy over whole arrays instead of Python loops over tokens. Decode-only steps
-(every sequence one token, every sequence sampled) replay a CUDA graph captured once per batch-size
-bucket on those same static buffers; mixed and prefill steps run eagerly (CUDA graphs: NVIDIA's
-``cudaGraphLaunch``; bucketed capture as in vLLM's ``CUDAGraphRunner``).
+(every sequence one token, every sequence sampled) replay a CUDA graph of their batch-size bucket on those
+same static buffers, captured the first time a decode step of that bucket runs; mixed and prefill steps run
+eagerly (CUDA graphs: NVIDIA's ``cudaGraphLaunch``; bucketed capture as in vLLM's ``CUDAGraphRunner``).
+
+The runner's compiled forwards and fused projections are installed in the model only while the engine is
+attached (``attach`` / ``detach``): between calls the model runs its own modules.
 """
 
 import itertools
@@ -98,13 +101,14 @@ class ModelRunner:
         max_num_seqs, max_num_batched_tokens: engine limits (buffer sizes); default: the batch of the
             biggest step seen is not bounded, so both must be given for the buffers (the engine does).
         max_model_len: longest sequence in tokens (block-table width; the graphs' ``max_seq_len`` bound).
-        use_cuda_graphs: capture decode graphs. Honoured only on CUDA and with a backend that launches
-            without reading metadata on the host (the torch reference calls ``.tolist()``, which cannot be
-            captured); otherwise the runner stays eager.
+        use_cuda_graphs: replay decode steps from CUDA graphs, each bucket's graph captured at its first
+            decode step (``_graph_bucket``). Honoured only on CUDA and with a backend that launches without
+            reading metadata on the host (the torch reference calls ``.tolist()``, which cannot be captured);
+            otherwise the runner stays eager.
         compile_layers: ``torch.compile`` the decoder layers around the attention (``compile.py``);
             None: exactly when decode graphs are used. Compiled at construction by two dummy forwards
             (one token, and two: the dynamic-shape graph); a compile error leaves the layers eager and
-            is recorded in ``compile_error``.
+            is recorded in ``compile_error``. The runner is constructed attached (its forwards installed).
         fuse_projections: fuse q|k|v and gate|up into one GEMM each inside the compiled layers
             (``fusion.py``); None: exactly when layers are compiled. Undone by ``uncompile``.
 
@@ -151,11 +155,17 @@ class ModelRunner:
         self.graph_logits: dict[int, torch.Tensor] = {}  # bucket -> static [1, bucket, vocab] output
         self.graph_sizes = graph_batch_sizes(max_num_seqs) if self.graphs_enabled else []
         self.graph_capture_error: str | None = None
+        self._graph_pool = None  # the memory pool all decode graphs share (created at the first capture)
+        self._capture_stream: torch.cuda.Stream | None = None
         self.record_steps = False
         self.steps: list[StepTrace] = []
         self.compiled_layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its previous forward)
         self.compile_error: str | None = None
         self.fusion = None  # fusion.FusionHandle while projections are fused
+        # (owner, attribute, the engine's object, the model's own or None: no instance attribute), swapped by
+        # attach / detach: each compiled module's forward, each fused group's FusedLinearSlices
+        self._swaps: list[tuple[torch.nn.Module, str, object, object | None]] = []
+        self.attached = True
         compile_on = compile_layers if compile_layers is not None else self.graphs_enabled
         if fuse_projections and not compile_on:
             raise ValueError("fuse_projections=True needs compiled layers (compile_layers), which are off here: "
@@ -320,71 +330,115 @@ class ModelRunner:
                 raise
             self.compile_error = f"{type(e).__name__}: {e}"
             logger.warning("torch.compile of the decoder layers failed, they run eagerly: %s", self.compile_error)
+            return
+        self._swaps = [(module, "forward", vars(module)["forward"], previous) for module, previous in self.compiled_layers]
+        for parent, originals, _ in self.fusion.groups if self.fusion is not None else ():
+            self._swaps += [(parent, name, getattr(parent, name), original) for name, original in originals]
+
+    def attach(self) -> None:
+        """Install the compiled forwards and the fused projections in the model (the same objects each time, so
+        Dynamo's compiled code is reused, not recompiled). Idempotent."""
+        if not self.attached:
+            for owner, name, ours, _ in self._swaps:
+                setattr(owner, name, ours)
+            self.attached = True
+
+    def detach(self) -> None:
+        """Give the model its own forwards and projection modules back, keeping the compiled wrappers and fused
+        modules for ``attach``. The original projections' weights stay views into the fused weights, so in-place
+        writes to them (an optimizer step, ``load_state_dict``) are what the fused modules compute with. Idempotent."""
+        if self.attached:
+            for owner, name, _, theirs in self._swaps:
+                if theirs is not None:
+                    setattr(owner, name, theirs)
+                elif name in vars(owner):
+                    delattr(owner, name)  # the class's forward again
+            self.attached = False
 
     def uncompile(self) -> None:
-        """Give the model's decoder layers their eager ``forward`` and unfused projections back (the
-        engine calls this on close)."""
+        """Give the model's decoder layers their eager ``forward`` and unfused projections back, for good (the
+        engine calls this on close): the original projections get contiguous copies of their weights."""
         from .compile import uncompile_layers
         from .fusion import unfuse_projections
 
+        self.detach()
+        self._swaps = []
         uncompile_layers(self.compiled_layers)
         self.compiled_layers = []
         if self.fusion is not None:
             unfuse_projections(self.fusion)
             self.fusion = None
 
-    def release(self) -> None:
-        """Drop the captured CUDA graphs (and their memory pool) and the cache reference (engine close)."""
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs and their memory pool (they hold the KV pool's addresses: the engine's
+        ``sleep`` and ``close``). Later decode steps capture their buckets' graphs again."""
         self.graphs.clear()
         self.graph_logits.clear()
+        self._graph_pool = None
+
+    def release(self) -> None:
+        """Drop the captured CUDA graphs and the cache reference (engine close)."""
+        self.release_graphs()
         self.cache = None
 
     # -- CUDA graphs --------------------------------------------------------------------------------
-    def _bucket(self, out: SchedulerOutput) -> int | None:
-        """The graph bucket for ``out`` if it is a decode-only step that a captured graph can run."""
-        if not self.graphs:
+    def _graph_bucket(self, out: SchedulerOutput) -> int | None:
+        """The graph bucket that runs ``out``, or None to run it eagerly.
+
+        A decode-only step (every sequence one token, every one sampled) of ``S <= max_num_seqs`` sequences runs
+        the smallest bucket ``>= S``; the bucket's graph is captured now when this is its first step. A failed
+        capture turns graphs off for good (``_capture``).
+        """
+        if not self.graphs_enabled:
             return None
         S = len(out.seqs)
         # every sequence one token, and every one sampled (not a one-token chunk of a prompt)
         if S > self.graph_sizes[-1] or out.num_scheduled_tokens.count(1) != S or not all(out.sample_mask):
             return None
-        for size in self.graph_sizes:
-            if size >= S:
-                return size
-        return None
+        size = next(size for size in self.graph_sizes if size >= S)
+        if size not in self.graphs and not self._capture(size):
+            return None
+        return size
 
-    @torch.inference_mode()
-    def capture_graphs(self) -> None:
-        """Capture one decode graph per bucket in ``graph_sizes``, largest first, sharing one memory pool.
-
-        Each capture runs the padded dummy step eagerly twice first (Triton JIT, cuBLAS workspaces), with
-        every ``slot_mapping`` entry -1, so the KV cache is not written. The graphs are recorded with
-        ``max_seq_len = max_model_len`` (a host-side upper bound the kernels size their grids from).
-        A failed capture leaves the runner eager and records the reason in ``graph_capture_error``.
-        """
-        if not self.graphs_enabled or self.graphs:
-            return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+    def _capture(self, size: int) -> bool:
+        """Capture the decode graph of bucket ``size`` (``_record_graph``). Returns False when the capture failed:
+        then every graph is dropped, the runner stays eager from now on, and ``graph_capture_error`` says why."""
         try:
-            for size in sorted(self.graph_sizes, reverse=True):
-                args = self._dummy_step(size)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._forward(*args)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.graph_logits[size] = self._forward(*args)
-                self.graphs[size] = graph
-            torch.cuda.synchronize(self.device)
+            self.graphs[size], self.graph_logits[size] = self._record_graph(self._dummy_step(size))
         except Exception as e:  # an op that syncs or allocates on the host inside the forward
-            self.graphs.clear()
-            self.graph_logits.clear()
+            self.release_graphs()
+            self.graphs_enabled = False
             self.graph_capture_error = f"{type(e).__name__}: {e}"
             logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", self.graph_capture_error)
-            torch.cuda.synchronize(self.device)
+            return False
+        return True
+
+    def _record_graph(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Record ``_forward(*args)`` (a padded dummy decode step) as a CUDA graph in the shared memory pool.
+
+        The step runs eagerly twice first, on the capture stream (Triton JIT, cuBLAS workspaces); every
+        ``slot_mapping`` entry is -1, so the KV cache is not written. The graph is recorded with
+        ``max_seq_len = max_model_len`` (a host-side upper bound the kernels size their grids from).
+
+        Returns:
+            ``(graph, logits)``: the graph and its static output ``[1, bucket, vocab]``.
+        """
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream, current = self._capture_stream, torch.cuda.current_stream(self.device)
+        try:
+            stream.wait_stream(current)  # the steps before (and the dummy step's buffer writes) come first
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(*args)
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
+                logits = self._forward(*args)
+        finally:
+            torch.cuda.synchronize(self.device)  # the real step's buffer writes come after the capture's reads
+        return graph, logits
 
     # -- a step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -407,7 +461,7 @@ class ModelRunner:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         self.cache.copy_blocks(out.block_copies)
-        bucket = self._bucket(out)
+        bucket = self._graph_bucket(out)
         S = len(out.seqs)
         if input_ids is not None and (tuple(input_ids.shape) != (S,) or out.num_scheduled_tokens.count(1) != S):
             raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} for a step of {S} sequences and "

@@ -21,8 +21,12 @@ Whatever the engine cannot serve runs stock code, after a one-time log message: 
 DoLa / contrastive / constrained / group beam search, ``output_attentions`` / ``output_hidden_states``,
 classifier-free guidance, ``prefix_allowed_tokens_fn``, a streamer with more than one row, extra model
 inputs (e.g. ``pixel_values``), a user cache that is not a ``PagedCache``, right padding, encoder-decoder
-models. Plain ``model(...)`` forwards and training never see the paged attention: the engine switches
-the model's ``attn_implementation`` only while it runs and restores it on exit.
+models. The calls run on the model's warm engine (``paged_transformers.warm``), made once and kept between calls
+(KV pool, compiled layers, CUDA graphs) with the patch's ``engine_config`` or, without one, whatever engine the
+model has warm; each row is one request. Plain ``model(...)`` forwards and training never see the paged
+attention: the engine is attached to the model only while a call runs. A call whose rows need more than the
+warm engine's ``max_model_len`` rebuilds it with the model's maximum, or, when ``patch()`` was given a config with
+a shorter ``max_model_len``, raises a ValueError naming it.
 
 Errors: a logits processor that raises fails only its own request inside the engine; ``generate()``
 then re-raises that exception (the first failed row, by row index) after all rows finished, with
@@ -31,10 +35,10 @@ have returned, the failed rows cut where they failed) attached.
 """
 
 import contextvars
-import dataclasses
 import functools
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +47,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache import PagedCache
 from ..config import EngineConfig
-from ..engine import LLMEngine
 from ..generation_config import ENGINE_MODES, ScoreRecorder, request_sampling_params
 from ..streaming import run_engine
+from ..warm import attached_engine, current_engine, release
 from .loading import patch_from_pretrained, unpatch_from_pretrained
 
 logger = logging.getLogger("paged_transformers")
@@ -75,6 +79,7 @@ _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("paged_tran
 _ORIGINALS: dict[str, object] = {}
 _ENGINE_CONFIG: list[EngineConfig | None] = [None]
 _LOGGED: set[str] = set()
+_DROP_IN_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models whose warm engine the patch built
 
 
 def _log_once(reason: str) -> None:
@@ -102,8 +107,9 @@ def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
     Idempotent; ``unpatch()`` restores transformers. Usable as ``with paged_transformers.patch(): ...``.
 
     Args:
-        engine_config: the ``EngineConfig`` for the engines that ``generate()`` calls create (one per
-            call). Default: sized for the call (one block table per row, ``block_size`` 16).
+        engine_config: the ``EngineConfig`` of the warm engine ``generate()`` calls run on (e.g.
+            ``EngineConfig(gpu_memory_utilization=0.3)`` in a process that also trains: the KV pool stays within
+            that budget). Default: the model's warm engine as it is, ``EngineConfig()`` when it has none.
 
     Returns:
         A ``PatchHandle`` (a context manager that calls ``unpatch()`` on exit).
@@ -137,7 +143,11 @@ def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
 
 
 def unpatch() -> None:
-    """Undo ``patch()`` (a no-op when not patched)."""
+    """Undo ``patch()`` (a no-op when not patched), and release the warm engines the patched ``generate()``
+    built (``paged_transformers.release``)."""
+    for model in list(_DROP_IN_MODELS):
+        release(model)
+    _DROP_IN_MODELS.clear()
     unpatch_from_pretrained()
     for name, original in _ORIGINALS.items():
         setattr(GenerationMixin, name, original)
@@ -309,9 +319,11 @@ def _engine_generate(model, call: _Call, input_ids, stopping_criteria, gc, strea
     raw = [ScoreRecorder() for _ in range(num_rows)] if want_logits else None
     processed = [ScoreRecorder() for _ in range(num_rows)] if want_scores else None
 
-    config = _engine_config(call.engine_config, prompts, max_new, model)
     finals = {}
-    with LLMEngine(model, engine_config=config) as engine:
+    before = current_engine(model)
+    with attached_engine(model, engine_config=call.engine_config, min_model_len=max(map(len, prompts)) + max_new) as engine:
+        if engine is not before:
+            _DROP_IN_MODELS.add(model)
         for r, prompt in enumerate(prompts):
             params = request_sampling_params(
                 model, gc, prompt, max_new, logits_processor=call.logits_processor,
@@ -362,19 +374,3 @@ def _stack_steps(recorders: list[ScoreRecorder], num_steps: int, device) -> tupl
         rows = [rec.steps[t] if t < len(rec.steps) else torch.full((vocab,), float("nan")) for rec in recorders]
         steps.append(torch.stack([row.to(device) for row in rows]))
     return tuple(steps)
-
-
-def _engine_config(user: EngineConfig | None, prompts: list[list[int]], max_new: int, model) -> EngineConfig:
-    """The user's config, or one sized for this call: every row's blocks fit at once (no preemption)."""
-    longest = max(len(p) for p in prompts) + max_new
-    if user is not None:
-        return user if user.max_model_len is not None else dataclasses.replace(user, max_model_len=longest)
-    block_size = 16
-    num_blocks = sum(-(-(len(p) + max_new) // block_size) for p in prompts) + 1
-    extra = {}
-    if "enforce_eager" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        extra["enforce_eager"] = True  # a per-call engine: graph capture would cost more than it saves
-    return EngineConfig(
-        block_size=block_size, num_gpu_blocks=num_blocks, max_model_len=longest,
-        max_num_seqs=max(1, min(256, len(prompts))), **extra,
-    )

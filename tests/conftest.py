@@ -14,11 +14,16 @@ margin of each step's raw logits.
 
 ``check_block_invariants(engine)`` (between steps: a running sequence holds exactly
 ``ceil(num_computed_tokens / block_size)`` blocks, never more than ``ceil(num_tokens / block_size)``),
-``assert_pool_whole(engine)`` (free blocks == total blocks), and the ``engine_spy`` fixture (the engines
-``paged_generate`` builds, checked after every step) check the KV pool.
+``assert_pool_whole(engine)`` (free blocks == total blocks), and the ``engine_spy`` fixture (the warm engines
+built during the test, checked after every step) check the KV pool.
+
+The models of ``make_tiny_model`` and ``smollm2`` are shared between tests, and every entry point keeps a warm
+engine on its model (``paged_transformers.warm``): ``release_warm_engines`` releases them after each test, so no
+test runs on an engine (a config, a prefix cache) that another test left behind.
 """
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -38,6 +43,8 @@ torch.set_num_threads(1)
 
 VOCAB_SIZE = 128
 MAX_POSITIONS = 512
+
+_SHARED_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models whose warm engines are released
 
 # Per-architecture config fields on top of the common ones. Mistral's window (48) is smaller than the
 # longest prompts; Gemma-2 alternates sliding (window 40) and full layers and soft-caps attention logits
@@ -91,7 +98,22 @@ def make_tiny_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
         # it (5.24 raises instead), so the Gemma-2 reference runs eager attention on every version.
         model.set_attn_implementation("eager")
     model.generation_config.pad_token_id = config.eos_token_id
+    _SHARED_MODELS.add(model)
     return model
+
+
+def _release_shared_models() -> None:
+    from paged_transformers import release
+
+    for model in list(_SHARED_MODELS):
+        release(model)
+
+
+@pytest.fixture(autouse=True)
+def release_warm_engines():
+    """After each test, release the warm engines of the shared test models."""
+    yield
+    _release_shared_models()
 
 
 @pytest.fixture(scope="session")
@@ -122,6 +144,7 @@ def smollm2():
     path = default_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _SHARED_MODELS.add(model)
     return model, tokenizer
 
 
@@ -213,12 +236,13 @@ def check_block_invariants(engine) -> None:
 
 @pytest.fixture
 def engine_spy(monkeypatch):
-    """Make ``paged_generate`` build ``CheckedLLMEngine``s; yields the list of engines it built.
+    """Make the warm engines (``paged_generate``'s, the patch's) ``CheckedLLMEngine``s; yields the list of
+    engines built during the test (one per model and config: a warm engine serves every later call).
 
     Each checked engine runs ``check_block_invariants`` after every step and remembers every sequence
     it scheduled (``seen_seqs``), so a test can read ``num_preemptions`` and chunking afterwards.
     """
-    import paged_transformers.generate as generate_module
+    import paged_transformers.warm as warm_module
     from paged_transformers import LLMEngine
 
     engines = []
@@ -241,5 +265,6 @@ def engine_spy(monkeypatch):
             check_block_invariants(self)
             return outputs
 
-    monkeypatch.setattr(generate_module, "LLMEngine", CheckedLLMEngine)
+    _release_shared_models()  # the test's calls build new (checked) engines
+    monkeypatch.setattr(warm_module, "LLMEngine", CheckedLLMEngine)
     yield engines

@@ -43,17 +43,16 @@ def left_pad(prompts, pad_id=2):
 
 @pytest.fixture
 def engine_count(monkeypatch):
-    """Counts the engines the patched generate builds (proof the engine path ran)."""
-    built = []
-    original = patch_module.LLMEngine
+    """Counts the ``generate()`` calls the engine served (proof the engine path ran)."""
+    served = []
+    original = patch_module._engine_generate
 
-    class Counting(original):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            built.append(self)
+    def counting(*args, **kwargs):
+        served.append(1)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(patch_module, "LLMEngine", Counting)
-    return built
+    monkeypatch.setattr(patch_module, "_engine_generate", counting)
+    return served
 
 
 def run(model, ids, mask, patched, seed=0, **kwargs):

@@ -29,14 +29,16 @@ def test_pipeline_matches_stock(smollm2, monkeypatch):
     stock_new = pipe(PROMPTS, return_full_text=False, **kwargs)
     stock_chat = pipe(CHATS, **kwargs)
 
-    engines = []
-    original = patch_module.LLMEngine
-    monkeypatch.setattr(patch_module, "LLMEngine", lambda *a, **k: engines.append(1) or original(*a, **k))
+    calls = []
+    original = patch_module._engine_generate
+    monkeypatch.setattr(patch_module, "_engine_generate", lambda *a, **k: calls.append(1) or original(*a, **k))
     with paged_transformers.patch():
         assert pipe(PROMPTS, **kwargs) == stock
         assert pipe(PROMPTS, return_full_text=False, **kwargs) == stock_new
         assert pipe(CHATS, **kwargs) == stock_chat
-    assert len(engines) == 2 + 2 + 1  # 6 prompts in batches of 4 -> 2 engine runs each; 2 chats -> 1
+        engine = paged_transformers.engine_for(model)
+    assert len(calls) == 2 + 2 + 1  # 6 prompts in batches of 4 -> 2 engine runs each; 2 chats -> 1
+    assert engine.closed  # one warm engine served every batch; unpatch() released it
 
 
 
@@ -50,9 +52,9 @@ def test_pipeline_stop_sequence_on_the_engine(smollm2, monkeypatch):
     stock = pipe(PROMPTS, **kwargs)
     assert stock != pipe(PROMPTS, max_new_tokens=12, do_sample=False, batch_size=4)  # the stops cut something
 
-    engines = []
-    original = patch_module.LLMEngine
-    monkeypatch.setattr(patch_module, "LLMEngine", lambda *a, **k: engines.append(1) or original(*a, **k))
+    calls = []
+    original = patch_module._engine_generate
+    monkeypatch.setattr(patch_module, "_engine_generate", lambda *a, **k: calls.append(1) or original(*a, **k))
     with paged_transformers.patch():
         assert pipe(PROMPTS, **kwargs) == stock
-    assert len(engines) == 2  # 6 prompts in batches of 4
+    assert len(calls) == 2  # 6 prompts in batches of 4, both served by the engine

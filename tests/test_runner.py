@@ -1,13 +1,14 @@
-"""ModelRunner: the packed step metadata against a naive per-token construction, decode padding, and
-(CUDA only) CUDA-graph decode against eager decode."""
+"""ModelRunner: the packed step metadata against a naive per-token construction, decode padding, lazy
+decode-graph capture (on CPU with a stand-in for the CUDA graph), and (CUDA only) CUDA-graph decode against
+eager decode."""
 
 import pytest
 import torch
 
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams
-from paged_transformers.runner import graph_batch_sizes
+from paged_transformers.runner import ModelRunner, graph_batch_sizes
 
-from conftest import make_tiny_model, random_prompts, stock_greedy
+from conftest import engine_greedy, make_tiny_model, random_prompts, stock_greedy
 
 
 def naive_metadata(engine, plan):
@@ -114,6 +115,74 @@ def test_engine_greedy_matches_stock_generate():
     for i, prompt in enumerate(prompts):
         ref, _ = stock_greedy(model, prompt, 6)
         assert done[str(i)] == ref, i
+
+
+class _StandInGraph:
+    """A CUDA graph's stand-in on CPU: "captured" from a forward, its ``replay`` runs that forward again on the
+    runner's current buffers into the same static output, as a real graph replay does."""
+
+    def __init__(self, forward):
+        self.forward = forward
+        self.logits = forward()
+
+    def replay(self):
+        self.logits.copy_(self.forward())
+
+
+def _graphed_run(monkeypatch, fail_at: int | None = None):
+    """Six prompts of decreasing lengths (decode batches 6 down to 1) on an engine whose runner replays decode steps
+    from stand-in graphs (``graphs_enabled`` forced on CPU). ``fail_at``: the capture that raises (1-based).
+
+    Returns:
+        ``(tokens, runner, captures)``: the new tokens per prompt, the runner (after close) and the bucket of
+        every capture attempt, in order.
+    """
+    captures = []
+
+    def record(self, args):
+        captures.append(args[0])  # the bucket: the dummy step's num_tokens
+        if len(captures) == fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graph = _StandInGraph(lambda: self._forward(*args))
+        return graph, graph.logits
+
+    monkeypatch.setattr(ModelRunner, "_record_graph", record)
+    model = make_tiny_model("llama", seed=8)
+    prompts = random_prompts(6, 3, 30, seed=8)
+    lengths = [4 + 3 * i for i in range(len(prompts))]
+    config = EngineConfig(max_num_seqs=8, attention_backend="torch", max_model_len=128)
+    with LLMEngine(model, engine_config=config) as engine:
+        runner = engine.runner
+        assert not runner.graphs_enabled and not runner.graphs  # CPU: off, and nothing captured at construction
+        runner.graphs_enabled, runner.graph_sizes = True, graph_batch_sizes(config.max_num_seqs)
+        runner.record_steps = True
+        got = engine_greedy(engine, prompts, lengths)
+        runner.captured = sorted(runner.graphs)  # read before close(), which frees the graphs
+    assert got == [stock_greedy(model, p, n)[0] for p, n in zip(prompts, lengths)]
+    return got, runner, captures
+
+
+def test_decode_graphs_are_captured_at_their_first_step(monkeypatch):
+    """Each bucket's graph is captured once, the first time a decode step of that bucket runs (batches 6 and 5 run
+    bucket 8; 4 and 3 bucket 4; then 2 and 1), and later decode steps of the bucket replay it; tokens equal stock."""
+    _, runner, captures = _graphed_run(monkeypatch)
+    assert captures == [8, 4, 2, 1]
+    assert runner.captured == [1, 2, 4, 8] and runner.graph_capture_error is None
+    graphed = [s.num_seqs for s in runner.steps if s.kind == "graph"]
+    assert len(graphed) > len(captures) and set(graphed) == {1, 2, 3, 4, 5, 6}
+    assert not runner.graphs  # close() dropped them
+
+
+def test_a_failed_capture_leaves_the_runner_eager(monkeypatch):
+    """The second capture (bucket 4) fails: every graph is dropped, nothing is captured again, and every later
+    step runs eagerly; tokens still equal stock."""
+    _, runner, captures = _graphed_run(monkeypatch, fail_at=2)
+    assert captures == [8, 4]
+    assert not runner.graphs_enabled and runner.captured == []
+    assert "not permitted" in runner.graph_capture_error
+    first_eager_decode = next(i for i, s in enumerate(runner.steps) if s.kind == "eager" and s.num_seqs == 4)
+    assert all(s.kind == "eager" for s in runner.steps[first_eager_decode:])
+    assert any(s.kind == "graph" for s in runner.steps[:first_eager_decode])  # bucket 8 replayed before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
