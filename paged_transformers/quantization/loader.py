@@ -34,7 +34,10 @@ _QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # stored by some old checkpoints, recomputed by the model
 
 
-def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> nn.Module:
+def load_model(
+    path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
     """Load a causal LM checkpoint: GPTQ v1 / AWQ GEMM natively, anything else through transformers.
 
     Args:
@@ -46,6 +49,7 @@ def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None
             quantized checkpoint that declares none). An fp16-declared quantized checkpoint runs in
             bf16 as is: its fp16 scales are kept and converted to fp32 inside the kernel.
         device: where to put the model; default ``"cuda"`` if available, else ``"cpu"``.
+        trust_remote_code: let transformers run the checkpoint's own modeling/config code (``auto_map``).
 
     Returns:
         The model in eval mode, with its ``generation_config`` from the folder. Quantized linears are
@@ -73,12 +77,14 @@ def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None
     qcfg = read_quantization_config(folder, config_dict)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if qcfg is None:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=_to_dtype(dtype) if dtype is not None else "auto")
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=_to_dtype(dtype) if dtype is not None else "auto", trust_remote_code=trust_remote_code
+        )
         return model.to(device).eval()
 
     dtype = _to_dtype(dtype if dtype is not None else config_dict.get("dtype") or config_dict.get("torch_dtype") or "float16")
-    config = AutoConfig.from_pretrained(folder)
-    model = build_skeleton(config, dtype)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    model = build_skeleton(config, dtype, trust_remote_code=trust_remote_code)
     with _Checkpoint(folder) as ckpt:
         quantized = sorted({n[: -len(".qweight")] for n in ckpt.names if n.endswith(".qweight")})
         for prefix in quantized:
@@ -116,7 +122,7 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def build_skeleton(config, dtype: torch.dtype) -> nn.Module:
+def build_skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
     """``AutoModelForCausalLM.from_config(config)`` with all parameters on the meta device.
 
     The ``quantization_config`` is dropped from the model's config copy first, so transformers does
@@ -131,7 +137,7 @@ def build_skeleton(config, dtype: torch.dtype) -> nn.Module:
         del config.quantization_config
     with _parameters_on_meta(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model
 
 
