@@ -12,6 +12,7 @@ from .cache import PagedCache
 from .config import AttentionBackend, EngineConfig
 from .engine import LLMEngine
 from .generate import paged_generate
+from .llm import LLM, ModelEngine
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .generation_config import PerRequest
@@ -25,7 +26,9 @@ __all__ = [
     "AttentionBackend",
     "CompletionOutput",
     "EngineConfig",
+    "LLM",
     "LLMEngine",
+    "ModelEngine",
     "PagedCache",
     "RequestMetrics",
     "RequestOutput",
