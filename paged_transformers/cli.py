@@ -1,15 +1,13 @@
 """The ``paged-transformers`` command: ``generate`` (and ``bench``, for throughput)."""
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .generate import run_to_completion
+from .default_model import default_model_path
+from .llm import LLM
 from .sampling_params import SamplingParams
 
 
@@ -21,42 +19,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
 
 
-def _engine_config(args) -> EngineConfig:
-    return EngineConfig(
+def _engine_args(args) -> dict:
+    """The engine flags as ``LLM`` keyword arguments."""
+    return dict(
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
     )
-
-
-def load(model_id: str | None, dtype: str, device: str):
-    """Load a model and tokenizer: a path or hub id, or the embedded default model when None. GPTQ and AWQ
-    checkpoints load natively (``load_model``), with no quantization library.
-
-    Raises:
-        ValueError: a missing model folder, or a checkpoint without a usable tokenizer.
-    """
-    from transformers import AutoTokenizer
-
-    from .quantization import load_model
-
-    if model_id is None:
-        from .default_model import default_model_path
-
-        model_id = str(default_model_path())
-    elif (os.path.isabs(model_id) or model_id.startswith(".")) and not os.path.isdir(model_id):
-        raise ValueError(f"--model {model_id}: no such model folder")
-    torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    if torch_dtype is None:
-        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {model_id}: no usable tokenizer in it ({' '.join(str(e).split())})") from e
-    model = load_model(model_id, dtype=torch_dtype, device=device)
-    return model, tokenizer
 
 
 def generate_main(args) -> int:
@@ -80,17 +51,15 @@ def generate_main(args) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
-    model, tokenizer = load(args.model, args.dtype, args.device)
-    if args.chat:
-        prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts
-        ]
-    start = time.perf_counter()
-    with LLMEngine(model, tokenizer=tokenizer, engine_config=_engine_config(args)) as engine:
-        outputs = run_to_completion(engine, prompts, [params] * len(prompts), use_tqdm=False)
+    model = args.model if args.model is not None else str(default_model_path())
+    with LLM(model, dtype=args.dtype, device=device, **_engine_args(args)) as llm:
+        start = time.perf_counter()
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        used, total = engine.peak_num_used_blocks, engine.cache.num_blocks
+        used, total = llm.llm_engine.peak_num_used_blocks, llm.llm_engine.cache.num_blocks
     for out in outputs:
         print(f"--- [{out.request_id}] {out.prompt!r}")
         print(out.outputs[0].text)

@@ -252,3 +252,21 @@ def test_a_refused_sampling_params_leaves_no_request_on_the_warm_engine(llm):
     (out,) = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
 
+
+def test_cli_generate_goes_through_llm(smollm2, monkeypatch, capsys):
+    import paged_transformers.cli as cli
+
+    built = []
+
+    class RecordingLLM(LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(cli, "LLM", RecordingLLM)
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    assert cli.main(["generate", "--chat", "--max-tokens", "4", "--max-model-len", "512", conversation[0]["content"]]) == 0
+    (llm,) = built
+    assert llm.engine_config.max_model_len == 512
+    rendered = smollm2[1].apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert f"--- [0] {rendered!r}" in capsys.readouterr().out
