@@ -172,7 +172,7 @@ class LLM:
         self._engine_method("wake_up", *args, **kwargs)
 
     def _engine_method(self, name: str, *args, **kwargs) -> None:
-        with warm.warm_call(self.model, self.tokenizer, self.engine_config) as engine:
+        with warm.warm_call(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
             method = getattr(engine, name, None)
             if method is None:
                 raise NotImplementedError(f"this LLMEngine has no {name}()")
@@ -251,7 +251,7 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(parsed)
-        with warm.warm_call(self.model, self.tokenizer, self.engine_config) as engine:
+        with warm.warm_call(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
             try:
                 outputs = run_to_completion(engine, [p for p, _ in parsed], params_list, use_tqdm=use_tqdm)
             except BaseException:
