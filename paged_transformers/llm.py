@@ -172,7 +172,7 @@ class LLM:
         self._engine_method("wake_up", *args, **kwargs)
 
     def _engine_method(self, name: str, *args, **kwargs) -> None:
-        with warm.warm_call(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
+        with warm.attached_engine(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
             method = getattr(engine, name, None)
             if method is None:
                 raise NotImplementedError(f"this LLMEngine has no {name}()")
@@ -251,15 +251,9 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(parsed)
-        with warm.warm_call(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
-            try:
-                outputs = run_to_completion(engine, [p for p, _ in parsed], params_list, use_tqdm=use_tqdm)
-            except BaseException:
-                # NOTE: run_to_completion queues the requests "0".."n-1" one at a time: a SamplingParams refused
-                # midway (or an interrupt) would leave the earlier ones on the warm engine, holding blocks and ids.
-                for i in range(len(parsed)):
-                    engine.abort_request(str(i))
-                raise
+        # (a request refused midway leaves none queued: attached_engine aborts unfinished requests on exit)
+        with warm.attached_engine(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
+            outputs = run_to_completion(engine, [p for p, _ in parsed], params_list, use_tqdm=use_tqdm)
         for out, (_, text) in zip(outputs, parsed):
             out.prompt = text
         return outputs
