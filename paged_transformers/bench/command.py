@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the product of all sweeps); results under 'sweep'")
     parser.add_argument("--skip-paged", action="store_true", help="only the compared engines")
     parser.add_argument("--no-batch1", action="store_true", help="skip the batch-1 decode measurement")
+    parser.add_argument("--entry-points", action="store_true",
+                        help="instead of the throughput run: time the public entry points (patched generate(), "
+                             "pipeline, paged_generate) per call the way user code calls them, side by side with "
+                             "stock (paged_transformers.bench.calls)")
+    parser.add_argument("--repeats", type=int, default=3, help="with --entry-points: timed calls per scenario (median)")
     parser.add_argument("--output-json", default=None)
 
 
@@ -197,6 +202,16 @@ def run_bench(args) -> dict:
 
 def bench_main(args) -> int:
     """``paged-transformers bench``: run, write ``--output-json``, print the table last."""
+    if args.entry_points:
+        from .calls import format_entry_points, run_entry_points
+
+        report = run_entry_points(args)
+        report["command"] = "paged-transformers bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+        if args.output_json:
+            with open(args.output_json, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+        print(format_entry_points(report))
+        return 0
     report = run_bench(args)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
