@@ -1,0 +1,72 @@
+"""Where the first engine of a process spends its time (issue 18's <= 10 s target): the phases of
+``engine_for`` and of the first ``paged_generate`` call, with Dynamo's compile times and recompile reasons.
+
+    TORCH_LOGS=recompiles python research/startup_profile.py --out DIR   # on the GPU machine, twice (cold, warm cache)
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+TIMES: dict[str, float] = {}
+
+
+def timed(owner, name: str) -> None:
+    """Wrap ``owner.name`` so its wall time adds up in ``TIMES[name]`` (seconds)."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] = TIMES.get(name, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--tag", default="run")
+    args = parser.parse_args()
+    import torch._dynamo.utils
+
+    from paged_transformers import EngineConfig, SamplingParams, paged_generate, sizing
+    from paged_transformers import cache as cache_mod
+    from paged_transformers import runner as runner_mod
+    from paged_transformers.bench.workload import build_model
+    from paged_transformers.warm import engine_for
+
+    timed(sizing, "profile_activation_bytes")
+    timed(cache_mod.PagedCache, "__init__")
+    timed(runner_mod.ModelRunner, "_compile")
+    timed(runner_mod.ModelRunner, "_record_graph")
+    timed(runner_mod.ModelRunner, "_forward")
+    t0 = time.perf_counter()
+    model = build_model(args.model, torch.bfloat16, "cuda")
+    report = {"build_model_s": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    engine_for(model, engine_config=EngineConfig())
+    report["construction_s"] = time.perf_counter() - t0
+    report["construction_phases"] = dict(TIMES)
+    report["compile_times_construction"] = torch._dynamo.utils.compile_times(repr="str")
+    TIMES.clear()
+    prompt = torch.randint(0, 1000, (128,)).tolist()
+    for name in ("first_call", "second_call"):
+        t0 = time.perf_counter()
+        paged_generate(model, [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        report[name + "_s"] = time.perf_counter() - t0
+        report[name + "_phases"] = dict(TIMES)
+        TIMES.clear()
+    report["compile_times_total"] = torch._dynamo.utils.compile_times(repr="str")
+    with open(f"{args.out}/startup_{args.tag}.json", "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps({k: v for k, v in report.items() if "compile_times" not in k}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
