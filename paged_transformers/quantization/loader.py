@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..hub import resolve_model_path
 from .config import QuantizationConfig, QuantMethod, read_quantization_config
 from .formats import awq_to_kernel_layout, gptq_to_kernel_layout
 from .linear import QuantLinear
@@ -39,7 +40,7 @@ def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None
 
     Args:
         path_or_id: a local folder with ``config.json`` and ``*.safetensors`` (sharded or not), or a
-            hub id already in the local cache (resolved with ``huggingface_hub.snapshot_download``).
+            hub id (``hub.resolve_model_path``: from the local cache when offline, else downloaded).
         dtype: the activation / non-quantized-weight dtype (``torch.float16``, ``torch.bfloat16``,
             ``torch.float32`` or their names). None: the dtype the config declares (``"auto"`` for
             plain checkpoints). An fp16-declared quantized checkpoint runs in bf16 as is: its fp16
@@ -52,8 +53,9 @@ def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None
 
     Raises:
         NotImplementedError: an unsupported ``quant_method``, format, version or bit width (named).
-        ValueError: a checkpoint tensor whose shape does not match the model (the tensor is named),
-            a tensor with no place in the model, or a model tensor the checkpoint lacks.
+        ValueError: a model that is not available (``hub.resolve_model_path``), a checkpoint tensor
+            whose shape does not match the model (the tensor is named), a tensor with no place in the
+            model, or a model tensor the checkpoint lacks.
 
     Examples:
         >>> model = load_model("../shared/fixtures/models/tiny-llama-gptq-4bit-g32-actorder-asym",
@@ -63,7 +65,7 @@ def load_model(path_or_id: str | os.PathLike, *, dtype: torch.dtype | str | None
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder = _resolve_folder(path_or_id)
+    folder = resolve_model_path(path_or_id)
     with open(os.path.join(folder, "config.json")) as f:
         config_dict = json.load(f)
     qcfg = read_quantization_config(folder, config_dict)
@@ -275,15 +277,6 @@ def _to_dtype(dtype) -> torch.dtype:
     return value
 
 
-def _resolve_folder(path_or_id) -> str:
-    path = os.fspath(path_or_id)
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
-        raise ValueError(f"{path!r} is not a folder")
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
 
 
 def _set_generation_config(model, folder: str) -> None:
