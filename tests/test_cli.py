@@ -123,8 +123,9 @@ def test_uncached_hub_id_fails_at_once_naming_it(hub_env, tmp_path):
     if env.get("HF_ENDPOINT") == "closed port":
         env["HF_ENDPOINT"] = f"http://127.0.0.1:{_closed_port()}"
     model_id = "made-up-org/no-such-model-17"
+    # the working directory is not the checkout, whose sources -m would import before the installed package
     run = subprocess.run([sys.executable, "-m", "paged_transformers.cli", "generate", "--model", model_id, "hi"],
-                         env=env, capture_output=True, text=True, timeout=40)
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=40)
     err = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(err) == 1, run.stderr
     assert err[0].startswith(f"error: model '{model_id}' is not available offline"), err[0]
