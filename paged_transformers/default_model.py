@@ -60,7 +60,8 @@ def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
 
     fields = GGUFReader(gguf).fields
     # a scalar field's value is the one element of the part that data[0] points at
-    return {name: int(fields[key].parts[fields[key].data[0]][0]) for name, key in SPECIAL_TOKEN_KEYS.items() if key in fields}
+    return {name: int(fields[key].parts[fields[key].data[0]][0])
+            for name, key in SPECIAL_TOKEN_KEYS.items() if key in fields}
 
 
 def default_model_path() -> Path:

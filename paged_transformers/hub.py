@@ -53,7 +53,7 @@ def resolve_model_path(model_id: str | os.PathLike) -> str:
     try:
         HfApi().model_info(path, timeout=HUB_TIMEOUT_S)
     except RepositoryNotFoundError:
-        raise ValueError(f"model {path!r}: no such model on the hub (or it is private or gated: log in first)") from None
+        raise ValueError(f"model {path!r}: no such model on the hub (or it is private or gated: log in)") from None
     # NOTE: the transport errors (no route, DNS, refused, timeout) are classes of the HTTP client that
     # huggingface_hub uses (httpx or another, by version), with no common base to name here.
     except Exception as e:

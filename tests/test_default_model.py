@@ -23,7 +23,8 @@ def rebuilt(tmp_path_factory):
     stale.mkdir()
     (stale / "config.json").write_text("{}")
     (stale / "stale.txt").write_text("from an older converter")
-    (stale / default_model.CONVERSION_MARKER).write_text(json.dumps({"converter_version": default_model.CONVERTER_VERSION - 1}))
+    old_marker = {"converter_version": default_model.CONVERTER_VERSION - 1}
+    (stale / default_model.CONVERSION_MARKER).write_text(json.dumps(old_marker))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGED_TRANSFORMERS_CACHE", str(cache))
         return default_model.default_model_path(), cache
@@ -53,8 +54,10 @@ def test_special_tokens_are_the_gguf_metadata(rebuilt):
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, tokenizer.pad_token_id) == (
         meta["bos"], meta["eos"], meta["unknown"], meta["padding"])
     # SmolLM2-135M-Instruct's own tokenizer_config.json on the hub says the same
-    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    tokens = (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token)
+    assert tokens == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
     for config in (AutoConfig.from_pretrained(path), GenerationConfig.from_pretrained(path)):
-        assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (meta["bos"], meta["eos"], meta["padding"])
+        ids = (config.bos_token_id, config.eos_token_id, config.pad_token_id)
+        assert ids == (meta["bos"], meta["eos"], meta["padding"]), type(config).__name__
     batch = tokenizer(["Hi", "The capital of France is"], padding=True)  # needs a pad token
     assert batch["input_ids"][0][-1] == meta["padding"]

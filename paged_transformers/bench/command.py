@@ -31,14 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=["gptq", "awq"], default=None,
                         help="random quantized weights of a named shape; None: plain weights")
     parser.add_argument("--bits", type=int, default=4, help="bits per quantized weight (with --quantization)")
-    parser.add_argument("--group-size", type=int, default=128, help="weights per quantization group (with --quantization)")
+    parser.add_argument("--group-size", type=int, default=128,
+                        help="weights per quantization group (with --quantization)")
     parser.add_argument("--num-requests", type=int, default=256, help="requests of the synthetic workload")
     parser.add_argument("--input-len-range", type=int, nargs=2, default=[64, 1024], metavar=("LOW", "HIGH"),
                         help="prompt lengths, tokens, drawn uniformly (both ends included)")
     parser.add_argument("--output-len-range", type=int, nargs=2, default=[16, 512], metavar=("LOW", "HIGH"),
                         help="output lengths, tokens, drawn uniformly (both ends included)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the random weights")
-    parser.add_argument("--dataset", default=None, help='JSONL of {"prompt": text or ids, "output_len": n}; None: the synthetic workload')
+    parser.add_argument("--dataset", default=None,
+                        help='JSONL of {"prompt": text or ids, "output_len": n}; None: the synthetic workload')
     parser.add_argument("--compare", default="", help="comma list of hf-generate, hf-cb; empty: the paged engine only")
     parser.add_argument("--compare-num-requests", type=int, default=None,
                         help="run the compared engines on the first N requests only; None: all")
