@@ -1,5 +1,5 @@
 """From vLLM's ``model=`` argument to a loaded model and tokenizer, with vLLM's rules: a local checkpoint folder
-or a hub id already in the local cache (``HF_HUB_OFFLINE`` honoured), ``dtype="auto"``, and ``quantization``
+or a hub id (``hub.resolve_model_path``: the local cache first, ``HF_HUB_OFFLINE`` honoured), ``dtype="auto"``, and ``quantization``
 checked against the checkpoint's own ``quantization_config``.
 
 Each check here reads at most the checkpoint's small JSON files, so a bad argument is refused before any
@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from .hub import resolve_model_path
 from .quantization import load_model, read_quantization_config
 from .sizing import model_compute_dtype
 
@@ -19,10 +20,6 @@ QUANTIZATION_METHODS = ("gptq", "awq")  # the formats load_model reads natively 
 # vLLM's ModelDType names
 DTYPE_NAMES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
                "float": torch.float32, "float32": torch.float32}  # fmt: skip
-
-# the files a checkpoint download needs (no other weight formats, no repository extras)
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
-
 
 def parse_dtype(dtype) -> torch.dtype | None:
     """``"auto"`` -> None (decided per checkpoint by ``resolve_dtype``); a name of ``DTYPE_NAMES`` or a torch
@@ -48,46 +45,6 @@ def check_quantization(quantization) -> None:
             f"quantization must be None (read from the checkpoint's config) or one of {list(QUANTIZATION_METHODS)}, "
             f"got {quantization!r}"
         )
-
-
-def resolve_model_folder(model: str | os.PathLike) -> str:
-    """The local folder of ``model``: the folder itself, else the hub id's snapshot in the local cache, else (only
-    when ``HF_HUB_OFFLINE`` is not set) a download of the checkpoint's files.
-
-    The cache is looked up before any network access, so with ``HF_HUB_OFFLINE=1`` (or no network) an uncached id
-    fails within milliseconds instead of retrying.
-
-    Raises:
-        ValueError: a path that is a file, a missing folder (any name that is not a valid hub id, such as an
-            absolute path), an id not in the cache while offline, or a failed download; each names ``model``.
-    """
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    name = os.fspath(model)
-    path = os.path.expanduser(name)
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
-        raise ValueError(f"model {name!r} is a file, not a checkpoint folder")
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        raise ValueError(f"model {name!r}: no such model folder") from None
-    try:
-        return snapshot_download(name, local_files_only=True)
-    except OSError:
-        pass
-    if constants.HF_HUB_OFFLINE:
-        raise ValueError(
-            f"model {name!r}: no such model folder, and no such hub id in the local cache (HF_HUB_OFFLINE is set, so "
-            "nothing is downloaded)"
-        )
-    try:
-        return snapshot_download(name, allow_patterns=_HUB_PATTERNS)
-    except OSError as e:
-        raise ValueError(f"model {name!r}: no such model folder, and the hub download failed: {' '.join(str(e).split())}") from e
 
 
 def read_config(folder: str) -> dict:
@@ -171,7 +128,7 @@ def load_from_checkpoint(model, tokenizer, skip_tokenizer_init: bool, trust_remo
                          quantization: str | None, max_model_len: int | None, device: torch.device):
     """``(model, tokenizer)`` from a folder or cached hub id; the config is checked before the tokenizer and the
     tokenizer loaded before the weights, so that a mistake costs no weight loading."""
-    folder = resolve_model_folder(model)
+    folder = resolve_model_path(model)
     config_dict = read_config(folder)
     check_checkpoint(folder, config_dict, quantization, max_model_len)
     dtype = resolve_dtype(dtype, config_dict, device)

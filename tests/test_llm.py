@@ -207,7 +207,7 @@ def test_uncached_hub_id_offline_fails_without_network(nothing_loaded, monkeypat
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ValueError, match="'no-such-org/no-such-model-xyz': no such model folder.*HF_HUB_OFFLINE"):
+    with pytest.raises(ValueError, match="'no-such-org/no-such-model-xyz' is not available offline.*HF_HUB_OFFLINE"):
         LLM("no-such-org/no-such-model-xyz")
     assert calls and all(c.get("local_files_only") for c in calls), calls
 

