@@ -140,7 +140,9 @@ class LLMEngine:
         device, dtype = param.device, model_compute_dtype(model)
         num_layers, num_kv_heads, head_dim = model_kv_shape(model_config)
         bytes_per_block = PagedCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, dtype)
+        t0 = time.perf_counter()
         num_blocks = num_kv_blocks(model, self.config, self.max_model_len, bytes_per_block)
+        sizing_s = time.perf_counter() - t0
         needed = -(-self.max_model_len // self.config.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -156,6 +158,7 @@ class LLMEngine:
         write_kv, attend = resolve_backend(self.config.attention_backend, device)
         self.requests: dict[str, _Request] = {}
         self._install()
+        t0 = time.perf_counter()
         try:
             self.runner = ModelRunner(
                 model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
@@ -166,6 +169,11 @@ class LLMEngine:
         except BaseException:
             self.close()  # the model gets its attention back
             raise
+        # seconds: the KV pool's sizing (on CUDA a profiled forward) and the runner's start (compiled layers)
+        self.startup_times = {"kv_sizing_s": sizing_s, "runner_s": time.perf_counter() - t0}
+        logger.info("paged_transformers: KV pool of %d blocks of %d tokens, sized in %.1f s; runner ready in %.1f s%s",
+                    num_blocks, self.config.block_size, sizing_s, self.startup_times["runner_s"],
+                    " (layers compiled)" if self.runner.compiled_layers else "")
         self.peak_num_used_blocks = 0
         self.device = device
         self._in_flight: _InFlight | None = None  # async scheduling: the step left running on the device

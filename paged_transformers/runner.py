@@ -311,10 +311,26 @@ class ModelRunner:
         self.logits_indices[:B].copy_(torch.arange(B, dtype=torch.int64, device=self.device))
         return (B, B, B, 1, self.max_model_len)
 
+    def _dummy_prefill(self, num_tokens: int) -> tuple:
+        """Fill the buffers with a prompt step: one dummy sequence of ``num_tokens`` tokens that writes nothing
+        (``slot_mapping`` -1), its last row sampled (an index ``logits_to_keep``, as a real prompt step has);
+        returns the ``_forward`` arguments for it."""
+        T = num_tokens
+        self.input_ids[:T].zero_()
+        self.positions[:T].copy_(torch.arange(T, dtype=torch.int64, device=self.device))
+        self.slot_mapping[:T].fill_(-1)
+        self.seq_lens[:1].fill_(T)
+        self.query_start_loc[:2].copy_(torch.tensor([0, T], dtype=torch.int32, device=self.device))
+        self.logits_indices[:1].fill_(T - 1)
+        return (T, 1, 1, T, self.max_model_len)
+
     @torch.inference_mode()
     def _compile(self, fuse: bool = False) -> None:
-        """Compile the decoder layers now (first fusing their projections if ``fuse``): one-token and
-        two-token dummy forwards trace both graphs."""
+        """Compile the decoder layers now (first fusing their projections if ``fuse``). Dummy forwards trace the
+        graphs the first real steps need, so that no call recompiles: one token (batch-1 decode, where the
+        projections are routed to the GEMV), two sequences of one token (the dynamic-shape graph), and one
+        sequence of three tokens with one row sampled (a prompt step: Dynamo specializes a dimension of size 1,
+        here the sequence count, and the LM head then gets an index)."""
         from . import fusion
         from .compile import compile_layers
 
@@ -324,6 +340,8 @@ class ModelRunner:
         try:
             for n in (1, min(2, self.max_num_seqs)):
                 self._forward(*self._dummy_step(n))
+            if self.max_num_tokens >= 3:
+                self._forward(*self._dummy_prefill(3))
         except BaseException as e:  # an op Dynamo or Inductor cannot handle: stay eager; an interrupt: re-raise
             self.uncompile()
             if not isinstance(e, Exception):
