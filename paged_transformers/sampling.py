@@ -141,15 +141,19 @@ class Sampler:
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         device = logits.device
         if len(sample_rows) == len(params):
-            token_ids = self._draw(self._probs(logits, params), seqs)
+            probs = self._probs(logits, params)
+            token_ids = self._draw(probs, seqs)
+            host_ids = _mark_undrawable(probs, token_ids)
         else:
-            token_ids = _argmax(logits)
+            token_ids = host_ids = _argmax(logits)
             if sample_rows:
                 index = _to_device(sample_rows, torch.int64, device)
                 probs = self._probs(logits[index], [params[i] for i in sample_rows])
-                token_ids[index] = self._draw(probs, [seqs[i] for i in sample_rows])
+                drawn = self._draw(probs, [seqs[i] for i in sample_rows])
+                token_ids[index] = drawn
+                host_ids = token_ids.index_put((index,), _mark_undrawable(probs, drawn))
 
-        host = [_to_host(token_ids)]
+        host = [_to_host(host_ids)]
         ks = [params[i].logprobs for i in want_logprobs]
         if want_logprobs:
             # the logprob of each sampled token and the top-k, batched over the rows that want them
@@ -172,6 +176,11 @@ class Sampler:
             launch.event.synchronize()
         token_list = launch.host[0].tolist()
         errors = launch.errors
+        if min(token_list, default=0) < 0:  # rows _mark_undrawable marked
+            errors = dict(errors)
+            for i, token_id in enumerate(token_list):
+                if token_id < 0 and i not in errors:
+                    errors[i] = ValueError(UNDRAWABLE)
         for i in errors:
             token_list[i] = None
         logprobs = {}
@@ -262,6 +271,22 @@ class Sampler:
         # an exact 0 (possible in float32) would make 0 / 0 = NaN the argmax on a zero-probability token
         noise.clamp_(min=torch.finfo(torch.float32).tiny)
         return _argmax(probs / noise)
+
+
+UNDRAWABLE = (
+    "cannot sample at temperature > 0: the logits (after penalties and logits processors) hold +inf or NaN, so the "
+    "probabilities are undefined (stock generate() raises 'probability tensor contains either inf, nan or element < 0'"
+    " here); mask tokens with -inf rather than forcing one with +inf, or decode greedily (temperature=0)"
+)
+
+
+def _mark_undrawable(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``token_ids [num_rows]`` with -1 where the row of ``probs [num_rows, vocab]`` holds a NaN, which a +inf or
+    NaN logit (or a row with no finite logit) makes of every probability: ``_draw``'s argmax then returns the
+    first NaN's index, a token the distribution did not choose. Device ops only (no host sync); the engine
+    keeps the unmarked ids on the device, since -1 cannot be looked up as a next input id."""
+    picked = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return token_ids.masked_fill(picked.isnan(), -1)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
