@@ -98,9 +98,9 @@ class ModelRunner:
         max_num_seqs, max_num_batched_tokens: engine limits (buffer sizes); default: the batch of the
             biggest step seen is not bounded, so both must be given for the buffers (the engine does).
         max_model_len: longest sequence in tokens (block-table width; the graphs' ``max_seq_len`` bound).
-        use_cuda_graphs: capture decode graphs. Honoured only on CUDA and with a backend that launches
-            without reading metadata on the host (the torch reference calls ``.tolist()``, which cannot be
-            captured); otherwise the runner stays eager.
+        use_cuda_graphs: capture decode graphs. Honoured only on CUDA and with a backend whose functions
+            say they launch without reading metadata on the host (``host_sync = False``; the torch backends
+            call ``.tolist()``, which cannot be captured); otherwise the runner stays eager.
         compile_layers: ``torch.compile`` the decoder layers around the attention (``compile.py``);
             None: exactly when decode graphs are used. Compiled at construction by two dummy forwards
             (one token, and two: the dynamic-shape graph); a compile error leaves the layers eager and
@@ -144,9 +144,9 @@ class ModelRunner:
         self._alloc_buffers()
         self._staged: torch.cuda.Event | None = None  # recorded after prepare's host-to-device copies
 
-        from .kernels import paged_attention_ref
-
-        self.graphs_enabled = bool(use_cuda_graphs) and self.device.type == "cuda" and attend is not paged_attention_ref
+        # a backend that reads metadata on the host (.tolist(), int(...)) cannot be captured; unmarked: assume it does
+        self.graphs_enabled = (bool(use_cuda_graphs) and self.device.type == "cuda"
+                               and not getattr(attend, "host_sync", True) and not getattr(write_kv, "host_sync", True))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # bucket -> static [1, bucket, vocab] output
         self.graph_sizes = graph_batch_sizes(max_num_seqs) if self.graphs_enabled else []
@@ -267,16 +267,22 @@ class ModelRunner:
 
     def _forward(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int):
         """The model forward on the first rows of the device buffers. Returns logits ``[1, num_sampled, vocab]``."""
+        block_tables, seq_lens = self.block_tables[:num_seqs], self.seq_lens[:num_seqs]
+        query_start_loc = self.query_start_loc[: num_seqs + 1]
+        make_plan = getattr(self.attend, "plan", None)  # a backend's per-step index tensors, shared by the layers
+        plan = None if make_plan is None else make_plan(
+            block_tables, seq_lens, query_start_loc, self.cache.block_size, num_tokens, max_query_len, max_seq_len)
         metadata = AttentionMetadata(
             cache=self.cache,
             slot_mapping=self.slot_mapping[:num_tokens],
-            block_tables=self.block_tables[:num_seqs],
-            seq_lens=self.seq_lens[:num_seqs],
-            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             write_kv=self.write_kv,
             attend=self.attend,
+            attend_plan=plan,
         )
         return self.model(
             input_ids=self.input_ids[:num_tokens].unsqueeze(0),
