@@ -169,7 +169,7 @@ def test_sampled_tokens_stay_in_the_support(llama, top_k, top_p, min_p):
     assert not_argmax > 10 and wide > len(PROMPTS) * 24 // 2
 
 
-def _draws(logits_row: list[float], num: int, **params) -> torch.Tensor:
+def _draws(logits_row: list[float], num: int, top_p_candidates: int = 256, **params) -> torch.Tensor:
     """``num`` seeded draws from one fixed logits row through the engine's sampler."""
     from paged_transformers.sampling import Sampler
     from paged_transformers.sequence import Sequence
@@ -177,7 +177,8 @@ def _draws(logits_row: list[float], num: int, **params) -> torch.Tensor:
     sp = SamplingParams(**params)
     seqs = [Sequence(str(i), 0, [0], sp, torch.Generator().manual_seed(i)) for i in range(num)]
     logits = torch.tensor([logits_row] * num)
-    return torch.tensor([r.token_id for r in Sampler(set(), len(logits_row)).sample(logits, seqs)])
+    sampler = Sampler(set(), len(logits_row), top_p_candidates=top_p_candidates)
+    return torch.tensor([r.token_id for r in sampler.sample(logits, seqs)])
 
 
 @pytest.mark.parametrize(
@@ -192,16 +193,46 @@ def _draws(logits_row: list[float], num: int, **params) -> torch.Tensor:
     ],
     ids=["plain", "top_p=0.7", "top_p=0.85", "top_k=2", "min_p=0.25", "min_p=0.7"],
 )
-def test_sampler_distribution(params, expected):
-    """Draw frequencies match the renormalised target distribution (4000 seeded draws; 4 sigma)."""
+@pytest.mark.parametrize("candidates", [256, 2], ids=["whole-row", "2-candidates"])
+def test_sampler_distribution(params, expected, candidates):
+    """Draw frequencies match the renormalised target distribution (4000 seeded draws; 4 sigma). With 2 top-p
+    candidates, top_p=0.7 is drawn among them (they hold 0.8 of the mass) and top_p=0.85 falls back to the row."""
     num = 4000
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    draws = _draws(probs.log().tolist(), num, temperature=1.0, **params)
+    draws = _draws(probs.log().tolist(), num, candidates, temperature=1.0, **params)
     freq = torch.bincount(draws, minlength=4).double() / num
     want = torch.tensor(expected, dtype=torch.float64)
     assert ((freq > 0) == (want > 0)).all(), f"support {freq.tolist()} != {want.tolist()}"
     sigma = (want * (1 - want) / num).sqrt()
     assert ((freq - want).abs() <= 4 * sigma + 1e-9).all(), f"frequencies {freq.tolist()} vs {want.tolist()}"
+
+
+def test_seeded_rows_with_top_k_or_top_p_ignore_the_batch():
+    """A seeded row's draws do not depend on the other rows, also when they change how many candidates its
+    top-k / top-p is computed on (another row's larger top_k, a top-p row whose nucleus is wider than the
+    candidates) or which group it is drawn in (rows without filters, greedy rows)."""
+    from paged_transformers.sampling import Sampler
+    from paged_transformers.sequence import Sequence
+
+    vocab = 300
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 2
+    flat = torch.zeros(1, vocab)  # its nucleus needs most of the vocabulary: the batch falls back to the whole row
+    seeded = [SamplingParams(temperature=0.9, top_k=5, seed=1), SamplingParams(temperature=1.1, top_p=0.8, seed=2),
+              SamplingParams(temperature=1.0, top_k=12, top_p=0.7, min_p=0.05, seed=3)]
+    others = [SamplingParams(temperature=1.0, top_k=60), SamplingParams(temperature=1.0, top_p=0.95),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)]
+
+    def draws(params, rows, steps=25):
+        seqs = [Sequence(str(i), 0, [1], sp, torch.Generator().manual_seed(sp.seed) if sp.seed else None)
+                for i, sp in enumerate(params)]
+        sampler = Sampler(set(), vocab, top_p_candidates=16)
+        return [sampler.sample_tokens(rows, seqs).token_ids[: len(seeded)] for _ in range(steps)]
+
+    alone = draws(seeded, logits.expand(len(seeded), vocab))
+    assert len({tuple(step) for step in alone}) > 1  # not vacuous: the draws vary
+    batch = seeded + others
+    assert draws(batch, logits.expand(len(batch), vocab)) == alone
+    assert draws(batch, torch.cat([logits.expand(len(batch) - 3, vocab), flat, logits, logits])) == alone
 
 
 def test_temperature_sharpens(llama):
