@@ -11,6 +11,7 @@ bucket on those same static buffers; mixed and prefill steps run eagerly (CUDA g
 ``cudaGraphLaunch``; bucketed capture as in vLLM's ``CUDAGraphRunner``).
 """
 
+import contextlib
 import itertools
 import logging
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata
 from .cache import PagedCache
 from .scheduler import SchedulerOutput
@@ -108,6 +110,9 @@ class ModelRunner:
         fuse_projections: fuse q|k|v and gate|up into one GEMM each inside the compiled layers
             (``fusion.py``); None: exactly when layers are compiled. Undone by ``uncompile``.
 
+    Eager fp32 layers on an x86-64 CPU run their ``nn.Linear`` products through oneDNN during engine forwards
+    (``cpu_linear.py``: 2x MKL's sgemm from 4 rows on the dev machine); outside them the model is untouched.
+
     Raises:
         ValueError: a limit that is not positive; ``fuse_projections=True`` without compiled layers.
     """
@@ -160,8 +165,11 @@ class ModelRunner:
         if fuse_projections and not compile_on:
             raise ValueError("fuse_projections=True needs compiled layers (compile_layers), which are off here: "
                              "eagerly every fused slice computes the whole fused product")
+        self.cpu_linears: cpu_linear.RoutedLinears | None = None
         if compile_on:
             self._compile(fuse=fuse_projections is not False)
+        if self.device.type == "cpu" and not self.compiled_layers and cpu_linear.available():
+            self.cpu_linears = cpu_linear.RoutedLinears(model)  # eager fp32 projections through oneDNN (cpu_linear.py)
 
     # -- buffers ----------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:
@@ -284,15 +292,16 @@ class ModelRunner:
             attend=self.attend,
             attend_plan=plan,
         )
-        return self.model(
-            input_ids=self.input_ids[:num_tokens].unsqueeze(0),
-            position_ids=self.positions[:num_tokens].unsqueeze(0),
-            use_cache=False,
-            paged_metadata=metadata,
-            # every row sampled (a decode step): the indices are 0 .. num_tokens - 1, and the int 0 keeps every row
-            # as a slice, without the gather kernel of an index tensor
-            logits_to_keep=0 if num_sampled == num_tokens else self.logits_indices[:num_sampled],
-        ).logits
+        with self.cpu_linears.routed() if self.cpu_linears is not None else contextlib.nullcontext():
+            return self.model(
+                input_ids=self.input_ids[:num_tokens].unsqueeze(0),
+                position_ids=self.positions[:num_tokens].unsqueeze(0),
+                use_cache=False,
+                paged_metadata=metadata,
+                # every row sampled (a decode step): the indices are 0 .. num_tokens - 1, and the int 0 keeps every
+                # row as a slice, without the gather kernel of an index tensor
+                logits_to_keep=0 if num_sampled == num_tokens else self.logits_indices[:num_sampled],
+            ).logits
 
     # -- torch.compile --------------------------------------------------------------------------------
     def _dummy_step(self, num_seqs: int) -> tuple:
