@@ -2,17 +2,19 @@
 instead of ``torch.nn.functional.linear`` (MKL's sgemm).
 
 Measured on the 2-core AMD EPYC dev machine (torch 2.13 with MKL 2024.2 and oneDNN 3.12, one thread), SmolLM2
-shapes ``[M, K] x [K, N]``, microseconds, MKL / oneDNN::
+shapes ``[M, K] x [K, N]``, microseconds, MKL / oneDNN, weights hot in cache::
 
     N x K             M = 1        4            8            64
     576 x 576         27 / 38      51 / 48      75 / 59      409 / 206
     1536 x 576        53 / 55      144 / 111    210 / 139    1137 / 521
     49152 x 576       7385 / 4125  13773 / 7660 16596 / 8423 47400 / 21185   (the LM head)
 
-MKL is ahead only for one to three rows on a small weight, so a product takes oneDNN from ``MIN_ROWS`` rows, or at
-any row count for a weight of ``BIG_WEIGHT`` elements or more. (The plain weight is handed over: oneDNN reorders it
-at every call. A pre-reordered copy, ``torch.ops.mkldnn._reorder_linear_weight``, halved the 8-row LM head again,
-but costs a second copy of every weight and a repack whenever one changes.)
+MKL is ahead only for one to three rows on a weight that stays in cache; in a model whose weights stream from
+memory every step, oneDNN is ahead at one row too (SmolLM2, 16 greedy tokens at batch 1: 0.54 s per call with every
+product on oneDNN, 0.61 s with one-to-three-row products on MKL), so every fp32 product takes it. (The plain weight
+is handed over: oneDNN reorders it at every call. A pre-reordered copy, ``torch.ops.mkldnn._reorder_linear_weight``,
+halved batch 8 again, but costs a second copy of every weight, 538 MB for SmolLM2, and a 0.33 s repack whenever the
+weights change.)
 
 The routing exists only while an engine forward runs (``RoutedLinears.routed``): each ``nn.Linear``'s ``forward``
 is shadowed by an instance attribute and removed after, so plain forwards, training, autograd and ``state_dict``
@@ -25,10 +27,6 @@ import types
 
 import torch
 import torch.nn.functional as F
-
-MIN_ROWS = 4  # rows of x from which oneDNN beats MKL on every measured weight
-BIG_WEIGHT = 1 << 22  # elements (16 MiB of fp32): oneDNN at any row count (the LM head: 28.3M)
-
 
 def available() -> bool:
     """Whether this torch has the oneDNN op on an x86-64 CPU (the only kind measured)."""
@@ -63,11 +61,9 @@ class RoutedLinears:
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``: ``x [..., K]`` -> ``[..., N]``, through oneDNN when it is the faster (see the module
-    docstring), else ``F.linear``."""
+    """``module(x)``: ``x [..., K]`` -> ``[..., N]``, through oneDNN for float32 (``F.linear`` otherwise)."""
     weight = module.weight
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or (rows < MIN_ROWS and weight.numel() < BIG_WEIGHT):
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() == 0:
         return F.linear(x, weight, module.bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), weight, module.bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, module.bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -111,7 +111,7 @@ class ModelRunner:
             (``fusion.py``); None: exactly when layers are compiled. Undone by ``uncompile``.
 
     Eager fp32 layers on an x86-64 CPU run their ``nn.Linear`` products through oneDNN during engine forwards
-    (``cpu_linear.py``: 2x MKL's sgemm from 4 rows on the dev machine); outside them the model is untouched.
+    (``cpu_linear.py``: up to 2x MKL's sgemm on the dev machine); outside them the model is untouched.
 
     Raises:
         ValueError: a limit that is not positive; ``fuse_projections=True`` without compiled layers.
