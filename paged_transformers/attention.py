@@ -51,10 +51,11 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Ca
 
     ``AUTO`` is Triton on CUDA and the PyTorch implementation elsewhere (``kernels/torch_attention.py``: the
     whole ragged batch in batched ops; ``paged_attention_ref`` stays the reference it is tested against).
-    Each function's ``host_sync`` attribute says whether it reads metadata on the host (then a CUDA graph
-    cannot capture it). An ``attend`` with a ``plan`` attribute gets ``plan=attend.plan(block_tables, seq_lens,
-    query_start_loc, block_size, num_tokens, max_query_len, max_seq_len)``, made once per step by the runner. ``TRITON`` on a CPU tensor
-    needs the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
+    ``TRITON`` on a CPU tensor needs the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is
+    imported). Each function's ``host_sync`` attribute says whether it reads metadata on the host (then a
+    CUDA graph cannot capture it). An ``attend`` with a ``plan`` attribute gets ``plan=attend.plan(block_tables,
+    seq_lens, query_start_loc, block_size, num_tokens, max_query_len, max_seq_len)``, made once per step by
+    the runner and shared by every layer.
 
     Raises:
         RuntimeError: Triton asked for on CPU without ``TRITON_INTERPRET=1``, or triton not installed.

@@ -111,6 +111,7 @@ class Sampler:
         attributes; rows are only touched when they need it.
         """
         logits = logits[:, : self.vocab_size]
+        device = logits.device
         params = [seq.sampling_params for seq in seqs]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -123,7 +124,6 @@ class Sampler:
             logits = logits.clone()
         errors = self._process_rows(logits, seqs, rows)
         if banned_rows:  # after the processors, as the order says
-            device = logits.device
             logits.index_put_((_to_device(banned_rows, torch.int64, device), _to_device(banned_ids, torch.int64, device)),
                               torch.tensor(float("-inf"), device=device))
         if rows:
@@ -131,7 +131,6 @@ class Sampler:
 
         # decided on the host: no device round trip when all greedy; only the sampled rows are drawn
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-        device = logits.device
         generators = [seq.generator for seq in seqs]
         if len(sample_rows) == len(params):
             token_ids, undrawable = draw(logits, params, generators, self.top_p_candidates)
