@@ -98,6 +98,8 @@ def _sample_compute_s(sampler, logits, seqs, repeats: int = 3) -> float:
     """Time of the sampler's vocab-wide tensor work alone on ``logits``: what a GPU would run."""
     import torch
 
+    from paged_transformers.draw import draw
+
     params = [s.sampling_params for s in seqs]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     best = float("inf")
@@ -106,8 +108,7 @@ def _sample_compute_s(sampler, logits, seqs, repeats: int = 3) -> float:
         logits[:, : sampler.vocab_size].argmax(dim=-1)
         if rows:
             index = torch.tensor(rows)
-            probs = sampler._probs(logits[index], [params[i] for i in rows])
-            torch.multinomial(probs, 1)
+            draw(logits[index, : sampler.vocab_size], [params[i] for i in rows], [seqs[i].generator for i in rows])
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -13,6 +13,10 @@ Cache layout, per layer (vLLM's flash layout)::
 | ``reshape_and_cache`` / ``reshape_and_cache_ref`` | write a step's K/V into its slots | ``cache_ops`` |
 | ``paged_attention`` / ``paged_attention_ref`` | ragged prefill + decode attention, split-KV decode | ``paged_attention`` |
 
+The ``"torch"`` backend (CPU's path), ``torch_attention.paged_attention_torch`` / ``reshape_and_cache_torch``, has
+the same contracts and attends the whole ragged batch in batched ops; it is tested against the references.
+Each function's ``host_sync`` attribute says whether it reads metadata on the host (no CUDA graph then).
+
 Importing this package imports neither triton nor a ``@triton.jit`` kernel: they load on the first
 launch (see ``_launch.py`` for why).
 """

@@ -51,6 +51,9 @@ def reshape_and_cache(
     )
 
 
+reshape_and_cache.host_sync = False  # nothing read back: CUDA graphs can capture it
+
+
 def _check_cache_args(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Raise ``ValueError`` naming the first argument of ``reshape_and_cache`` that is malformed."""
     if key.dim() != 3 or value.shape != key.shape:
@@ -105,3 +108,6 @@ def reshape_and_cache_ref(
     slots = slot_mapping[valid]
     key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[valid]
     value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[valid]
+
+
+reshape_and_cache_ref.host_sync = True  # boolean-mask indexing reads the mask on the host

@@ -192,6 +192,9 @@ def paged_attention(
     return out
 
 
+paged_attention.host_sync = False  # with the host bounds given it reads nothing back: CUDA graphs can capture it
+
+
 @dataclass(frozen=True, slots=True)
 class QueryBand:
     """One launch: the sequences with ``min_q_len <= q_len <= max_q_len``, computed with tiles ``cfg``."""
@@ -325,7 +328,9 @@ def paged_attention_ref(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged attention for a ragged batch (PyTorch reference; also the ``"torch"`` backend).
+    """Paged attention for a ragged batch (PyTorch reference: one sequence at a time, the obvious way; the
+    Triton kernels and the batched ``"torch"`` backend, ``torch_attention.paged_attention_torch``, are tested
+    against it).
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``, fp32/fp16/bf16.
@@ -376,3 +381,6 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
+
+
+paged_attention_ref.host_sync = True  # .tolist() of the metadata: no CUDA graph can capture it

@@ -43,13 +43,19 @@ class AttentionMetadata:
     max_seq_len: int  # tokens; max(seq_lens)
     write_kv: Callable[..., None]  # reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     attend: Callable[..., torch.Tensor]  # paged_attention(query, key_cache, value_cache, block_tables, ...)
+    attend_plan: object = None  # attend.plan(...) of this step, given to every layer's attend (backends with one)
 
 
 def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Callable, Callable]:
     """Pick ``(write_kv, attend)`` for ``backend`` on ``device``.
 
-    ``AUTO`` is Triton on CUDA and the PyTorch implementation elsewhere. ``TRITON`` on a CPU tensor
-    needs the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
+    ``AUTO`` is Triton on CUDA and the PyTorch implementation elsewhere (``kernels/torch_attention.py``: the
+    whole ragged batch in batched ops; ``paged_attention_ref`` stays the reference it is tested against).
+    ``TRITON`` on a CPU tensor needs the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is
+    imported). Each function's ``host_sync`` attribute says whether it reads metadata on the host (then a
+    CUDA graph cannot capture it). An ``attend`` with a ``plan`` attribute gets ``plan=attend.plan(block_tables,
+    seq_lens, query_start_loc, block_size, num_tokens, max_query_len, max_seq_len)``, made once per step by
+    the runner and shared by every layer.
 
     Raises:
         RuntimeError: Triton asked for on CPU without ``TRITON_INTERPRET=1``, or triton not installed.
@@ -57,9 +63,9 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Ca
     if backend is AttentionBackend.AUTO:
         backend = AttentionBackend.TRITON if device.type == "cuda" else AttentionBackend.TORCH
     if backend is AttentionBackend.TORCH:
-        from .kernels import paged_attention_ref, reshape_and_cache_ref
+        from .kernels.torch_attention import paged_attention_torch, reshape_and_cache_torch
 
-        return reshape_and_cache_ref, paged_attention_ref
+        return reshape_and_cache_torch, paged_attention_torch
     import os
 
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -127,9 +133,11 @@ def paged_attention_forward(
     key_cache, value_cache = md.cache.key_cache[layer], md.cache.value_cache[layer]
     md.write_kv(k, v, key_cache, value_cache, md.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    extra = {} if md.attend_plan is None else {"plan": md.attend_plan}
     out = md.attend(
         q, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
         sliding_window=sliding_window, softcap=softcap, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+        **extra,
     )
     return out.unsqueeze(0), None
 

@@ -543,7 +543,7 @@ class LLMEngine:
             num_tokens = len(seq.token_ids)  # the next step computes position num_tokens (this step's token)
             num_outputs = num_tokens + 1 - seq.num_prompt_tokens
             if (seq.pending_forks or num_outputs >= seq.sampling_params.max_tokens or num_tokens + 1 >= max_model_len
-                    or needs_host_work(seq, num_outputs)):
+                    or needs_host_work(seq)):
                 return False
             if num_tokens % block_size == 0:
                 num_new_blocks += 1

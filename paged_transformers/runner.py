@@ -14,6 +14,7 @@ The runner's compiled forwards and fused projections are installed in the model 
 attached (``attach`` / ``detach``): between calls the model runs its own modules.
 """
 
+import contextlib
 import itertools
 import logging
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata
 from .cache import PagedCache
 from .scheduler import SchedulerOutput
@@ -102,15 +104,18 @@ class ModelRunner:
             biggest step seen is not bounded, so both must be given for the buffers (the engine does).
         max_model_len: longest sequence in tokens (block-table width; the graphs' ``max_seq_len`` bound).
         use_cuda_graphs: replay decode steps from CUDA graphs, each bucket's graph captured at its first
-            decode step (``_graph_bucket``). Honoured only on CUDA and with a backend that launches without
-            reading metadata on the host (the torch reference calls ``.tolist()``, which cannot be captured);
-            otherwise the runner stays eager.
+            decode step (``_graph_bucket``). Honoured only on CUDA and with a backend whose functions say they
+            launch without reading metadata on the host (``host_sync = False``; the torch backends call
+            ``.tolist()``, which cannot be captured); otherwise the runner stays eager.
         compile_layers: ``torch.compile`` the decoder layers around the attention (``compile.py``);
-            None: exactly when decode graphs are used. Compiled at construction by two dummy forwards
-            (one token, and two: the dynamic-shape graph); a compile error leaves the layers eager and
+            None: exactly when decode graphs are used. Compiled at construction by dummy forwards
+            (``_compile``); a compile error leaves the layers eager and
             is recorded in ``compile_error``. The runner is constructed attached (its forwards installed).
         fuse_projections: fuse q|k|v and gate|up into one GEMM each inside the compiled layers
             (``fusion.py``); None: exactly when layers are compiled. Undone by ``uncompile``.
+
+    Eager fp32 layers on an x86-64 CPU run their ``nn.Linear`` products through oneDNN during engine forwards
+    (``cpu_linear.py``: up to 2x MKL's sgemm on the dev machine); outside them the model is untouched.
 
     Raises:
         ValueError: a limit that is not positive; ``fuse_projections=True`` without compiled layers.
@@ -148,9 +153,9 @@ class ModelRunner:
         self._alloc_buffers()
         self._staged: torch.cuda.Event | None = None  # recorded after prepare's host-to-device copies
 
-        from .kernels import paged_attention_ref
-
-        self.graphs_enabled = bool(use_cuda_graphs) and self.device.type == "cuda" and attend is not paged_attention_ref
+        # a backend that reads metadata on the host (.tolist(), int(...)) cannot be captured; unmarked: assume it does
+        self.graphs_enabled = (bool(use_cuda_graphs) and self.device.type == "cuda"
+                               and not getattr(attend, "host_sync", True) and not getattr(write_kv, "host_sync", True))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # bucket -> static [1, bucket, vocab] output
         self.graph_sizes = graph_batch_sizes(max_num_seqs) if self.graphs_enabled else []
@@ -170,8 +175,11 @@ class ModelRunner:
         if fuse_projections and not compile_on:
             raise ValueError("fuse_projections=True needs compiled layers (compile_layers), which are off here: "
                              "eagerly every fused slice computes the whole fused product")
+        self.cpu_linears: cpu_linear.RoutedLinears | None = None
         if compile_on:
             self._compile(fuse=fuse_projections is not False)
+        if self.device.type == "cpu" and not self.compiled_layers and cpu_linear.available():
+            self.cpu_linears = cpu_linear.RoutedLinears(model)  # eager fp32 projections through oneDNN (cpu_linear.py)
 
     # -- buffers ----------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:
@@ -277,26 +285,33 @@ class ModelRunner:
 
     def _forward(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int):
         """The model forward on the first rows of the device buffers. Returns logits ``[1, num_sampled, vocab]``."""
+        block_tables, seq_lens = self.block_tables[:num_seqs], self.seq_lens[:num_seqs]
+        query_start_loc = self.query_start_loc[: num_seqs + 1]
+        make_plan = getattr(self.attend, "plan", None)  # a backend's per-step index tensors, shared by the layers
+        plan = None if make_plan is None else make_plan(
+            block_tables, seq_lens, query_start_loc, self.cache.block_size, num_tokens, max_query_len, max_seq_len)
         metadata = AttentionMetadata(
             cache=self.cache,
             slot_mapping=self.slot_mapping[:num_tokens],
-            block_tables=self.block_tables[:num_seqs],
-            seq_lens=self.seq_lens[:num_seqs],
-            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             write_kv=self.write_kv,
             attend=self.attend,
+            attend_plan=plan,
         )
-        return self.model(
-            input_ids=self.input_ids[:num_tokens].unsqueeze(0),
-            position_ids=self.positions[:num_tokens].unsqueeze(0),
-            use_cache=False,
-            paged_metadata=metadata,
-            # every row sampled (a decode step): the indices are 0 .. num_tokens - 1, and the int 0 keeps every row
-            # as a slice, without the gather kernel of an index tensor
-            logits_to_keep=0 if num_sampled == num_tokens else self.logits_indices[:num_sampled],
-        ).logits
+        with self.cpu_linears.routed() if self.cpu_linears is not None else contextlib.nullcontext():
+            return self.model(
+                input_ids=self.input_ids[:num_tokens].unsqueeze(0),
+                position_ids=self.positions[:num_tokens].unsqueeze(0),
+                use_cache=False,
+                paged_metadata=metadata,
+                # every row sampled (a decode step): the indices are 0 .. num_tokens - 1, and the int 0 keeps every
+                # row as a slice, without the gather kernel of an index tensor
+                logits_to_keep=0 if num_sampled == num_tokens else self.logits_indices[:num_sampled],
+            ).logits
 
     # -- torch.compile --------------------------------------------------------------------------------
     def _dummy_step(self, num_seqs: int) -> tuple:

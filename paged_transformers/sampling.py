@@ -1,16 +1,17 @@
 """The sampler: per-request penalties and logits processors, then greedy or random sampling.
 
 Order (vLLM's): raw logits -> logprobs (if asked) -> penalties -> logits processors -> min_tokens
-mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample (an exponential race,
-``Sampler._draw``). ``Sampler.launch`` enqueues a step's sampling on the device and ``Sampler.collect``
-reads it back, so that the engine can launch the next step in between (async scheduling).
+mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample (``draw.py``).
+``Sampler.launch`` enqueues a step's sampling on the device and ``Sampler.collect`` reads it back, so
+that the engine can launch the next step in between (async scheduling). Only penalties and logits
+processors touch rows one at a time; everything else is batched over the step's rows.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from .kernels.argmax import argmax_rows
+from .draw import TOP_P_CANDIDATES, _to_device, argmax, draw
 from .sequence import Sequence
 
 
@@ -56,11 +57,13 @@ class Sampler:
     Args:
         eos_token_ids: ids masked until ``min_tokens`` outputs exist (with ``stop_token_ids``).
         vocab_size: logits columns past it (padding in some checkpoints) are never sampled.
+        top_p_candidates: candidates of a top-p row without top-k on CPU (``draw.py``).
     """
 
-    def __init__(self, eos_token_ids: set[int], vocab_size: int):
+    def __init__(self, eos_token_ids: set[int], vocab_size: int, top_p_candidates: int = TOP_P_CANDIDATES):
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        self.top_p_candidates = top_p_candidates
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """Sample for ``seqs`` from ``logits [len(seqs), vocab_size]`` float32 (rows in ``seqs`` order).
@@ -87,13 +90,12 @@ class Sampler:
         return self.collect(self.launch(logits, seqs))
 
     @staticmethod
-    def needs_host_work(seq: Sequence, num_output_tokens: int) -> bool:
-        """Whether ``launch`` processes this sequence's row on the host (penalties, logits processors, an
-        active min_tokens mask), reading its token ids and synchronizing with the device, when it has
-        ``num_output_tokens`` outputs. Rows without it are sampled with device work only (no sync)."""
+    def needs_host_work(seq: Sequence) -> bool:
+        """Whether ``launch`` processes this sequence's row on the host (penalties, logits processors),
+        reading its token ids and synchronizing with the device. Rows without it are sampled with device
+        work only (no sync); an active min_tokens mask is device work, batched over the rows."""
         p = seq.sampling_params
-        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors
-                    or num_output_tokens < p.min_tokens)
+        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors)
 
     def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> "SampleLaunch":
         """The device part of ``sample_tokens``: enqueue the sampling of ``logits [len(seqs), >= vocab_size]``
@@ -109,47 +111,40 @@ class Sampler:
         attributes; rows are only touched when they need it.
         """
         logits = logits[:, : self.vocab_size]
+        device = logits.device
         params = [seq.sampling_params for seq in seqs]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        errors: dict[int, BaseException] = {}
-        # NOTE: only rows with penalties, processors or an active min_tokens mask are touched (the rows that
-        # _process_row can change): a per-row copy costs a kernel launch, which at a few hundred rows per
-        # step is milliseconds of host time.
-        rows = [i for i, seq in enumerate(seqs) if self.needs_host_work(seq, len(seq.token_ids) - seq.num_prompt_tokens)]
-        if rows:
+        # NOTE: only rows with penalties or processors are touched one at a time (the rows that _process_row
+        # can change): a per-row copy costs a kernel launch, which at a few hundred rows per step is
+        # milliseconds of host time.
+        rows = [i for i, seq in enumerate(seqs) if self.needs_host_work(seq)]
+        banned_rows, banned_ids = self._min_tokens_mask(seqs)
+        if rows or banned_rows:
             logits = logits.clone()
-        for i in rows:
-            try:
-                logits[i] = self._process_row(logits[i], seqs[i])
-            except Exception as e:  # a user's processor; keep the other rows going
-                errors[i] = e
+        errors = self._process_rows(logits, seqs, rows)
+        if banned_rows:  # after the processors, as the order says
+            logits.index_put_((_to_device(banned_rows, torch.int64, device), _to_device(banned_ids, torch.int64, device)),
+                              torch.tensor(float("-inf"), device=device))
         if rows:
-            # A processed row with a NaN or no finite logit cannot be sampled: it fails alone (and is
-            # zeroed so that the batch's draw stays valid).
-            processed = logits[torch.tensor(rows, device=logits.device)]
-            unusable = (processed.isnan().any(dim=-1) | ~processed.isfinite().any(dim=-1)).tolist()
-            for i, bad in zip(rows, unusable):
-                if bad and i not in errors:
-                    errors[i] = ValueError(
-                        f"logits processors left request {seqs[i].request_id!r} no finite logit (all -inf or NaN)"
-                    )
-            for i in errors:
-                logits[i] = 0.0
+            self._check_processed(logits, seqs, rows, errors)
 
         # decided on the host: no device round trip when all greedy; only the sampled rows are drawn
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-        device = logits.device
+        generators = [seq.generator for seq in seqs]
         if len(sample_rows) == len(params):
-            token_ids = self._draw(self._probs(logits, params), seqs)
+            token_ids, undrawable = draw(logits, params, generators, self.top_p_candidates)
+            host_ids = token_ids.masked_fill(undrawable, -1)
         else:
-            token_ids = _argmax(logits)
+            token_ids = host_ids = argmax(logits)
             if sample_rows:
                 index = _to_device(sample_rows, torch.int64, device)
-                probs = self._probs(logits[index], [params[i] for i in sample_rows])
-                token_ids[index] = self._draw(probs, [seqs[i] for i in sample_rows])
+                drawn, undrawable = draw(logits[index], [params[i] for i in sample_rows],
+                                         [generators[i] for i in sample_rows], self.top_p_candidates)
+                token_ids[index] = drawn
+                host_ids = token_ids.index_put((index,), drawn.masked_fill(undrawable, -1))
 
-        host = [_to_host(token_ids)]
+        host = [_to_host(host_ids)]
         ks = [params[i].logprobs for i in want_logprobs]
         if want_logprobs:
             # the logprob of each sampled token and the top-k, batched over the rows that want them
@@ -172,6 +167,11 @@ class Sampler:
             launch.event.synchronize()
         token_list = launch.host[0].tolist()
         errors = launch.errors
+        if min(token_list, default=0) < 0:  # rows whose draw was undefined (launch marks them -1)
+            errors = dict(errors)
+            for i, token_id in enumerate(token_list):
+                if token_id < 0 and i not in errors:
+                    errors[i] = ValueError(UNDRAWABLE)
         for i in errors:
             token_list[i] = None
         logprobs = {}
@@ -188,8 +188,45 @@ class Sampler:
                 logprobs[i] = (logprob, top_logprobs)
         return SamplerOutput(token_list, errors, logprobs)
 
+    def _process_rows(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> dict[int, BaseException]:
+        """Penalties and processors on ``rows`` of ``logits`` (in place), one row at a time. Returns row ->
+        the exception of a processor that raised (the others keep going)."""
+        errors = {}
+        for i in rows:
+            try:
+                logits[i] = self._process_row(logits[i], seqs[i])
+            except Exception as e:  # a user's processor; keep the other rows going
+                errors[i] = e
+        return errors
+
+    def _check_processed(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], errors: dict) -> None:
+        """A processed row with a NaN or no finite logit cannot be sampled: it fails alone (added to ``errors``),
+        and every failed row is zeroed so that the batch's draw stays valid."""
+        processed = logits[torch.tensor(rows, device=logits.device)]
+        unusable = (processed.isnan().any(dim=-1) | ~processed.isfinite().any(dim=-1)).tolist()
+        for i, bad in zip(rows, unusable):
+            if bad and i not in errors:
+                errors[i] = ValueError(
+                    f"logits processors left request {seqs[i].request_id!r} no finite logit (all -inf or NaN)"
+                )
+        for i in errors:
+            logits[i] = 0.0
+
+    def _min_tokens_mask(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """``(rows, token ids)`` to set to -inf: EOS and ``stop_token_ids`` of each row whose sequence has
+        fewer than ``min_tokens`` outputs (host ints only)."""
+        active = [i for i, seq in enumerate(seqs)
+                  if len(seq.token_ids) - seq.num_prompt_tokens < seq.sampling_params.min_tokens]
+        banned_rows, banned_ids = [], []
+        for i in active:
+            sp = seqs[i].sampling_params
+            ids = [t for t in set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids) if t < self.vocab_size]
+            banned_rows += [i] * len(ids)
+            banned_ids += ids
+        return banned_rows, banned_ids
+
     def _process_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """Penalties, processors and the min_tokens mask on one row ``[vocab_size]``."""
+        """Penalties and processors on one row ``[vocab_size]``."""
         sp = seq.sampling_params
         if sp.repetition_penalty != 1.0:
             # CTRL / transformers: over prompt + output, divide positive logits, multiply negative ones.
@@ -208,75 +245,14 @@ class Sampler:
                 scores = proc(input_ids, scores)
                 _check_scores(scores, row.numel(), proc)
             row = scores[0]
-        if seq.num_output_tokens < sp.min_tokens:
-            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
-            banned_ids = [t for t in banned if t < row.numel()]
-            if banned_ids:
-                row = row.index_fill(0, torch.tensor(banned_ids, dtype=torch.int64, device=row.device), float("-inf"))
         return row
 
-    @staticmethod
-    def _probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-        """Temperature, top-k, top-p and min-p over ``logits [num_seqs, vocab_size]`` -> probabilities.
-        Which filters run is decided from ``params`` on the host (no device read)."""
-        device = logits.device
-        vocab = logits.shape[-1]
-        temperature = [1.0 if p.greedy else p.temperature for p in params]
-        if any(t != 1.0 for t in temperature):
-            logits = logits / _to_device(temperature, torch.float32, device)[:, None]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            top_k_t = _to_device(top_k, torch.int64, device)
-            top_p_t = _to_device(top_p, torch.float32, device)
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=device)[None, :]
-            drop = ranks >= top_k_t[:, None]
-            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= top_p_t[:, None]
-            drop[:, 0] = False
-            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logits.softmax(dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):
-            min_p_t = _to_device(min_p, torch.float32, device)
-            probs = probs.masked_fill(probs < min_p_t[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        return probs
 
-    @staticmethod
-    def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One draw per row of ``probs [num_seqs, vocab_size]`` -> token ids ``[num_seqs]`` int64.
-
-        Exponential race: with ``E_i ~ Exp(1)`` independent, ``argmax_i p_i / E_i`` is token ``i`` with
-        probability ``p_i`` (the Gumbel-max trick in another form; vLLM's sampler uses it because
-        ``torch.multinomial`` checks its input with a host read). Seeded sequences draw their row's
-        noise from their own generator, so the batch cannot change their tokens; the others share the
-        global stream.
-        """
-        noise = torch.empty_like(probs, dtype=torch.float32).exponential_()
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
-        # an exact 0 (possible in float32) would make 0 / 0 = NaN the argmax on a zero-probability token
-        noise.clamp_(min=torch.finfo(torch.float32).tiny)
-        return _argmax(probs / noise)
-
-
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row argmax ``[num_rows, V] -> [num_rows]`` int64, ``torch.argmax``'s indices (first maximum, NaN largest).
-    On CUDA the two-stage Triton kernel ``argmax_rows``: PyTorch's one-block reduction of a row took 28 us of each
-    batch-1 decode step on an H200 (128,256-entry vocabulary)."""
-    return argmax_rows(x) if x.is_cuda else x.argmax(dim=-1)
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without a host sync: staged in pinned memory and copied
-    non-blocking on CUDA (``torch.tensor(values, device=...)`` waits for the stream)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+UNDRAWABLE = (
+    "cannot sample at temperature > 0: the logits (after penalties and logits processors) hold +inf or NaN, so the "
+    "probabilities are undefined (stock generate() raises 'probability tensor contains either inf, nan or element < 0'"
+    " here); mask tokens with -inf rather than forcing one with +inf, or decode greedily (temperature=0)"
+)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

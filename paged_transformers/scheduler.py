@@ -291,9 +291,13 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a sequence (stop, length, abort or error) and free its blocks at once."""
+        """End a sequence (stop, length, abort or error) and free its blocks at once. A sequence ended while
+        it holds an async step's placeholder (``advance``; its sampling failed, or an abort) drops it: the
+        placeholder is never replaced then, and must not reach an output."""
         assert status.is_finished, status
         seq.status = status
+        if seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            seq.token_ids.pop()
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

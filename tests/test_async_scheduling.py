@@ -80,6 +80,19 @@ def test_greedy_eos_at_different_steps_and_max_tokens(llama, monkeypatch):
     assert "length" in reasons, (reasons, lengths)
 
 
+def test_min_tokens_rows_are_pipelined(llama, monkeypatch):
+    """min_tokens masks EOS on the device, batched, so such rows pipeline too (they used to need host work):
+    the same tokens as the synchronous loop, and EOS not sampled before min_tokens."""
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=10, min_tokens=10) for i in range(5)]
+    reference, _ = run(llama, list(zip(PROMPTS, params)), False)
+    eos = sorted({reference[str(i)][0][0][1] for i in range(len(PROMPTS))})  # tokens the rows would draw early
+    monkeypatch.setattr(llama.generation_config, "eos_token_id", eos)
+    got, _ = compare(llama, list(zip(PROMPTS, params)))
+    for i in range(len(PROMPTS)):
+        tokens, reason = got[str(i)][0][:2]
+        assert len(tokens) == 10 and reason == "length" and not set(tokens) & set(eos), (i, tokens, eos)
+
+
 def test_stop_strings_and_stop_token_ids(llama):
     """A stop string across two tokens and a stop token id, found by the host after the next step launched."""
     base = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) for _ in PROMPTS]

@@ -169,7 +169,7 @@ def test_sampled_tokens_stay_in_the_support(llama, top_k, top_p, min_p):
     assert not_argmax > 10 and wide > len(PROMPTS) * 24 // 2
 
 
-def _draws(logits_row: list[float], num: int, **params) -> torch.Tensor:
+def _draws(logits_row: list[float], num: int, top_p_candidates: int = 256, **params) -> torch.Tensor:
     """``num`` seeded draws from one fixed logits row through the engine's sampler."""
     from paged_transformers.sampling import Sampler
     from paged_transformers.sequence import Sequence
@@ -177,7 +177,8 @@ def _draws(logits_row: list[float], num: int, **params) -> torch.Tensor:
     sp = SamplingParams(**params)
     seqs = [Sequence(str(i), 0, [0], sp, torch.Generator().manual_seed(i)) for i in range(num)]
     logits = torch.tensor([logits_row] * num)
-    return torch.tensor([r.token_id for r in Sampler(set(), len(logits_row)).sample(logits, seqs)])
+    sampler = Sampler(set(), len(logits_row), top_p_candidates=top_p_candidates)
+    return torch.tensor([r.token_id for r in sampler.sample(logits, seqs)])
 
 
 @pytest.mark.parametrize(
@@ -192,16 +193,46 @@ def _draws(logits_row: list[float], num: int, **params) -> torch.Tensor:
     ],
     ids=["plain", "top_p=0.7", "top_p=0.85", "top_k=2", "min_p=0.25", "min_p=0.7"],
 )
-def test_sampler_distribution(params, expected):
-    """Draw frequencies match the renormalised target distribution (4000 seeded draws; 4 sigma)."""
+@pytest.mark.parametrize("candidates", [256, 2], ids=["whole-row", "2-candidates"])
+def test_sampler_distribution(params, expected, candidates):
+    """Draw frequencies match the renormalised target distribution (4000 seeded draws; 4 sigma). With 2 top-p
+    candidates, top_p=0.7 is drawn among them (they hold 0.8 of the mass) and top_p=0.85 falls back to the row."""
     num = 4000
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    draws = _draws(probs.log().tolist(), num, temperature=1.0, **params)
+    draws = _draws(probs.log().tolist(), num, candidates, temperature=1.0, **params)
     freq = torch.bincount(draws, minlength=4).double() / num
     want = torch.tensor(expected, dtype=torch.float64)
     assert ((freq > 0) == (want > 0)).all(), f"support {freq.tolist()} != {want.tolist()}"
     sigma = (want * (1 - want) / num).sqrt()
     assert ((freq - want).abs() <= 4 * sigma + 1e-9).all(), f"frequencies {freq.tolist()} vs {want.tolist()}"
+
+
+def test_seeded_rows_with_top_k_or_top_p_ignore_the_batch():
+    """A seeded row's draws do not depend on the other rows, also when they change how many candidates its
+    top-k / top-p is computed on (another row's larger top_k, a top-p row whose nucleus is wider than the
+    candidates) or which group it is drawn in (rows without filters, greedy rows)."""
+    from paged_transformers.sampling import Sampler
+    from paged_transformers.sequence import Sequence
+
+    vocab = 300
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 2
+    flat = torch.zeros(1, vocab)  # its nucleus needs most of the vocabulary: the batch falls back to the whole row
+    seeded = [SamplingParams(temperature=0.9, top_k=5, seed=1), SamplingParams(temperature=1.1, top_p=0.8, seed=2),
+              SamplingParams(temperature=1.0, top_k=12, top_p=0.7, min_p=0.05, seed=3)]
+    others = [SamplingParams(temperature=1.0, top_k=60), SamplingParams(temperature=1.0, top_p=0.95),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)]
+
+    def draws(params, rows, steps=25):
+        seqs = [Sequence(str(i), 0, [1], sp, torch.Generator().manual_seed(sp.seed) if sp.seed else None)
+                for i, sp in enumerate(params)]
+        sampler = Sampler(set(), vocab, top_p_candidates=16)
+        return [sampler.sample_tokens(rows, seqs).token_ids[: len(seeded)] for _ in range(steps)]
+
+    alone = draws(seeded, logits.expand(len(seeded), vocab))
+    assert len({tuple(step) for step in alone}) > 1  # not vacuous: the draws vary
+    batch = seeded + others
+    assert draws(batch, logits.expand(len(batch), vocab)) == alone
+    assert draws(batch, torch.cat([logits.expand(len(batch) - 3, vocab), flat, logits, logits])) == alone
 
 
 def test_temperature_sharpens(llama):
@@ -260,3 +291,114 @@ def test_sample_tokens_batch_matches_a_torch_reference_and_sample():
     assert [r.token_id for r in results] == out.token_ids
     assert isinstance(results[2].error, RuntimeError)
     assert results[1].top_logprobs == top and results[0].top_logprobs is None
+
+
+# -- logits the sampler cannot draw from ------------------------------------------------------------
+def plus_inf(token_id: int):
+    """A logits processor that forces ``token_id`` with +inf (softmax of such a row is NaN)."""
+
+    def processor(input_ids, scores):
+        scores = scores.clone()
+        scores[:, token_id] = float("inf")
+        return scores
+
+    return processor
+
+
+def test_plus_inf_logit_under_sampling_fails_only_its_request(llama):
+    """A +inf logit at temperature > 0 used to make every probability NaN, and the draw emitted token 0 at
+    every step. The request fails alone ("abort", ``error``); greedy argmax still takes the +inf token (as
+    stock greedy does); the other rows are untouched and no block is left allocated."""
+    forced = 7
+    params = {
+        "inf": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, ignore_eos=True, logits_processors=[plus_inf(forced)]),
+        "inf-greedy": SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logits_processors=[plus_inf(forced)]),
+        "seeded": SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True),
+        "greedy": SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    }
+    prompts = dict(zip(params, PROMPTS))
+    alone = run(llama, [prompts["seeded"]], params["seeded"])[0].token_ids
+    outs = {}
+    with LLMEngine(llama, engine_config=EngineConfig(max_model_len=128)) as engine:
+        for request_id, sp in params.items():
+            engine.add_request(request_id, prompts[request_id], sp)
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+        assert engine.stats().num_used_blocks == 0
+    bad = outs["inf"]
+    assert bad.finish_reason == "abort" and bad.token_ids == [], bad
+    assert isinstance(bad.error, ValueError) and "+inf" in str(bad.error), bad.error
+    assert outs["inf-greedy"].token_ids == [forced] * 5
+    assert outs["seeded"].token_ids == alone
+    assert outs["greedy"].token_ids == stock_greedy(llama, prompts["greedy"], 5)[0]
+
+
+@pytest.mark.parametrize("fill", [float("inf"), float("nan")], ids=["+inf", "nan"])
+def test_sampler_never_draws_from_undefined_probabilities(fill):
+    """Logits with +inf or NaN straight from the model (no processor, the device-only path) fail their
+    sampled row instead of yielding the index the NaNs put first; greedy rows keep argmax's answer."""
+    from paged_transformers.sampling import Sampler
+    from paged_transformers.sequence import Sequence
+
+    vocab = 40
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    logits[[1, 3], 9] = fill
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=5),
+              SamplingParams(temperature=0.0)]
+    seqs = [Sequence(str(i), 0, [1, 2], sp) for i, sp in enumerate(params)]
+    for batch in (seqs, seqs[:3]):  # a mixed greedy / sampled batch, and an all-sampled one
+        out = Sampler(set(), vocab).sample_tokens(logits[: len(batch)], batch)
+        assert list(out.errors) == [1] and isinstance(out.errors[1], ValueError), out.errors
+        assert out.token_ids[1] is None and None not in out.token_ids[:1] + out.token_ids[2:]
+    assert out.token_ids[0] is not None
+    assert Sampler(set(), vocab).sample_tokens(logits, seqs).token_ids[3] == 9  # argmax: +inf / NaN first, as torch
+
+
+def test_patched_generate_sampling_with_a_plus_inf_processor_raises(llama):
+    """Stock ``generate(do_sample=True)`` raises on the NaN probabilities a +inf logit makes; the patched
+    one raised nothing and returned token 0 at every step. It raises too, naming the +inf."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    import paged_transformers
+
+    class PlusInf(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return plus_inf(7)(input_ids, scores)
+
+    ids = torch.tensor([PROMPTS[0], PROMPTS[1][: len(PROMPTS[0])]])
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=4,
+                  logits_processor=LogitsProcessorList([PlusInf()]))
+    with pytest.raises(RuntimeError, match="inf"):
+        llama.generate(ids, **kwargs)  # stock
+    with paged_transformers.patch(), pytest.raises(ValueError, match=r"\+inf"):
+        llama.generate(ids, **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_nan_logits_mid_decode_fail_the_request_without_a_placeholder(llama, async_scheduling):
+    """Logits gone NaN in the model for one sampled row at a decode step (no processor, so the step is
+    pipelined under async scheduling): that request fails with the tokens drawn before it, holding no
+    placeholder; the other request decodes on; nothing is left allocated."""
+    with LLMEngine(llama, engine_config=EngineConfig(max_model_len=128, async_scheduling=async_scheduling)) as engine:
+        execute = engine.runner.execute
+        calls = []
+
+        def nan_at_fourth_step(plan, input_ids=None):
+            logits = execute(plan, input_ids).clone()
+            calls.append(len(plan.seqs))
+            if len(calls) == 4:
+                logits[0] = float("nan")
+            return logits
+
+        engine.runner.execute = nan_at_fourth_step
+        for i in range(2):
+            engine.add_request(str(i), PROMPTS[i], SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True))
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+        assert engine.stats().num_used_blocks == 0
+        assert engine.num_pipelined_steps > 0 or not async_scheduling
+    bad, good = outs["0"], outs["1"]
+    assert bad.finish_reason == "abort" and isinstance(bad.error, ValueError), bad
+    assert len(bad.token_ids) == 3 and min(bad.token_ids) >= 0, bad.token_ids
+    assert good.finish_reason == "length" and len(good.token_ids) == 8
