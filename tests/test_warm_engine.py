@@ -389,7 +389,7 @@ def test_patch_config_bounds_the_pool():
         assert sum(t.numel() * t.element_size() for t in cache.key_cache + cache.value_cache) <= budget
 
 
-def test_process_exits_with_a_live_engine():
+def test_process_exits_with_a_live_engine(tmp_path):
     """A process that patches, generates and exits without unpatch or release exits at once (no hang at exit)."""
     code = textwrap.dedent("""
         import torch, transformers, paged_transformers
@@ -403,6 +403,7 @@ def test_process_exits_with_a_live_engine():
         assert current_engine(model) is not None
         print("generated", flush=True)
     """)
-    # the timeout is for a hang: importing torch and transformers takes most of the time on a loaded machine
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # the timeout is for a hang: importing torch and transformers takes most of the time on a loaded machine;
+    # cwd outside the checkout, so that the installed package is imported (as a user's script would)
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "generated\n", done.stderr
