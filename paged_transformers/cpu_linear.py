@@ -14,11 +14,21 @@ memory every step, oneDNN is ahead at one row too (SmolLM2, 16 greedy tokens at 
 product on oneDNN, 0.61 s with one-to-three-row products on MKL), so every fp32 product takes it. (The plain weight
 is handed over: oneDNN reorders it at every call. A pre-reordered copy, ``torch.ops.mkldnn._reorder_linear_weight``,
 halved batch 8 again, but costs a second copy of every weight, 538 MB for SmolLM2, and a 0.33 s repack whenever the
-weights change.)
+weights change: see "Packed weights" below.)
 
 The routing exists only while an engine forward runs (``RoutedLinears.routed``): each ``nn.Linear``'s ``forward``
 is shadowed by an instance attribute and removed after, so plain forwards, training, autograd and ``state_dict``
-between steps are stock, and the weights are read as they are at each call (no copy, nothing to go stale).
+between steps are stock, and the plain route reads the weights as they are at each step.
+
+Packed weights (``EngineConfig.cpu_prepack_weights``): when the weights are stable across calls, each routed module
+also gets a copy of its weight in oneDNN's own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, as
+inductor's weight-pack pass makes it; no batch-size hint, which measured as fast as the best hint at 1, 8 and 64
+rows), handed to ``_linear_pointwise`` instead of the plain weight. The engine decides per call, at ``attach``
+(``RoutedLinears.weights_changed``): unchanged since a call that ran steps -> pack; written in place -> drop the
+packs. Each pack is keyed by its weight's ``(data_ptr, _version, shape)`` at pack time, checked at every product:
+a weight changed since (in place, or replaced) takes the plain route, so a stale pack is never read. Writes through
+``.data`` bypass the version counter (``weights.py``): after them call ``engine.reset_prefix_cache()``, which drops
+the packs too, or ``paged_transformers.release(model)``.
 """
 
 import contextlib
@@ -28,6 +38,9 @@ import types
 import torch
 import torch.nn.functional as F
 
+from .weights import WeightsChange
+
+
 def available() -> bool:
     """Whether this torch has the oneDNN op on an x86-64 CPU (the only kind measured)."""
     return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
@@ -35,29 +48,98 @@ def available() -> bool:
 
 
 class RoutedLinears:
-    """The model's fp32 CPU ``nn.Linear`` modules, and their oneDNN forwards (made once).
+    """The model's fp32 CPU ``nn.Linear`` modules, their oneDNN forwards (made once) and, while the weights are stable,
+    packed copies of their weights.
 
     Modules whose ``forward`` is already an instance attribute (accelerate's hooks put one there) are left alone.
+
+    Args:
+        model: the model whose ``nn.Linear`` modules are routed.
+        prepack: ``EngineConfig.cpu_prepack_weights``: None packs by the policy of ``weights_changed``; False never
+            packs; True packs now (engine start) and again after every change.
+
+    Attributes:
+        num_packed_products: products that read a packed weight (a counter; tests and benchmarks read it).
+        num_packs: times the weights were packed.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, prepack: bool | None = None):
         self.routes = [
             (module, types.MethodType(_forward, module)) for module in model.modules()
             if type(module) is torch.nn.Linear and "forward" not in module.__dict__
             and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
             and module.weight.is_contiguous()
         ]
+        self.prepack = prepack
+        self.packed_routes: list | None = None  # (module, forward reading its packed weight), while packed
+        self.packed_nbytes = 0  # bytes of the packed copies (a second copy of the routed weights)
+        self.num_steps = 0  # routed forwards run (the policy packs only after a call that ran steps)
+        self.num_packs = 0
+        self.num_packed_products = 0
+        if prepack:
+            self.pack()
 
     @contextlib.contextmanager
     def routed(self):
-        """The block runs with every route installed; they are removed on exit, also on an exception."""
-        for module, forward in self.routes:
+        """The block runs with every route installed (the packed ones while packed); they are removed on exit, also on
+        an exception."""
+        self.num_steps += 1
+        for module, forward in self.packed_routes or self.routes:
             module.__dict__["forward"] = forward
         try:
             yield
         finally:
             for module, _ in self.routes:
                 module.__dict__.pop("forward", None)
+
+    def weights_changed(self, change: WeightsChange) -> None:
+        """The packing policy, run by ``LLMEngine.attach`` once per call with how the weights changed since the
+        previous call (``weights.py``). Unchanged, and the engine has run steps on them (a previous call: so an
+        evaluation loop packs at its second call, and never at an engine's first) -> pack, if not packed yet.
+        Written in place (an optimizer step between calls) -> drop the packs, freeing their memory, so an RL loop
+        never packs; with ``prepack=True``, pack again. ``prepack=False``: nothing. Packing takes about 0.33 s
+        for SmolLM2-135M on one thread."""
+        if self.prepack is False:
+            return
+        if change is not WeightsChange.NONE:
+            self.drop()
+        if self.packed_routes is None and (self.prepack or (change is WeightsChange.NONE and self.num_steps > 0)):
+            self.pack()
+
+    def pack(self) -> None:
+        """Pack every routed weight (a second copy of each, in oneDNN's blocked layout). Weights without a version
+        counter (inference tensors) keep the plain route."""
+        routes, nbytes = [], 0
+        with torch.no_grad():
+            for module, forward in self.routes:
+                weight = module.weight
+                if not weight.is_inference():
+                    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+                    forward = _packed_forward(self, module, packed, (weight.data_ptr(), weight._version, weight.shape))
+                    nbytes += weight.numel() * weight.element_size()
+                routes.append((module, forward))
+        self.packed_routes, self.packed_nbytes = routes, nbytes
+        self.num_packs += 1
+
+    def drop(self) -> None:
+        """Forget the packed weights (their memory is freed); the plain routes stay."""
+        self.packed_routes, self.packed_nbytes = None, 0
+
+
+def _packed_forward(routes: RoutedLinears, module: torch.nn.Linear, packed: torch.Tensor, key: tuple):
+    """``module``'s forward reading ``packed`` (its weight at pack time, ``key = (data_ptr, _version, shape)``) while
+    the weight still matches ``key``; the plain route (``_forward``) otherwise."""
+    linear = torch.ops.mkldnn._linear_pointwise
+    out_features = packed.shape[0]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if (weight.data_ptr(), weight._version, weight.shape) != key or x.dtype != torch.float32 or x.numel() == 0:
+            return _forward(module, x)
+        routes.num_packed_products += 1
+        return linear(x.reshape(-1, x.shape[-1]), packed, module.bias, "none", [], "").view(*x.shape[:-1], out_features)
+
+    return forward
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -164,7 +164,7 @@ class LLMEngine:
                 model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
                 use_cuda_graphs=not self.config.enforce_eager, compile_layers=self.config.compile_layers,
-                fuse_projections=self.config.fuse_projections,
+                fuse_projections=self.config.fuse_projections, cpu_prepack_weights=self.config.cpu_prepack_weights,
             )
         except BaseException:
             self.close()  # the model gets its attention back
@@ -230,6 +230,7 @@ class LLMEngine:
         if change is WeightsChange.UPDATED and not self.reset_prefix_cache():
             logger.warning("the weights changed (%s) while requests hold KV blocks: their K/V is from the old weights, "
                            "and the prefix cache was kept; call reset_prefix_cache() once they finish", detail)
+        self.runner.weights_changed(change)  # packs the CPU weights, or drops them (cpu_linear.py); after the reset
 
     def detach(self) -> None:
         """Give the model back to its user: its own attention implementation, forwards and projection modules
@@ -258,9 +259,9 @@ class LLMEngine:
             self._uninstall()
 
     def sleep(self, level: int = 1) -> None:
-        """Free the KV pool and the CUDA graphs (which hold the pool's addresses), forgetting the prefix cache;
-        the compiled forwards and fused weights stay. ``wake_up()`` allocates the pool again. vLLM's name; its
-        level 1 also offloads the weights to the CPU, but here the weights are the model's (its user's), so they
+        """Free the KV pool, the CUDA graphs (which hold the pool's addresses) and the packed CPU weights, forgetting
+        the prefix cache; the compiled forwards and fused weights stay. ``wake_up()`` allocates the pool again (the
+        next call with unchanged weights packs again). vLLM's name; its level 1 also offloads the weights to the CPU, but here the weights are the model's (its user's), so they
         stay where they are. Steps and ``add_request`` raise while asleep. Idempotent.
 
         Raises:
@@ -278,6 +279,7 @@ class LLMEngine:
         self._drain()
         self.cache.block_manager.reset_prefix_cache()
         self.runner.release_graphs()
+        self.runner.drop_packed_weights()
         self._free_pool()
         self.sleeping = True
 
@@ -623,12 +625,14 @@ class LLMEngine:
 
     # -- prefix cache and metrics -----------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (e.g. after the model's weights changed).
+        """Forget every cached block (e.g. after the model's weights changed), and drop the packed CPU weights
+        (``EngineConfig.cpu_prepack_weights``; always, also when the cache is kept).
 
         Returns:
-            True when the cache was emptied; False, changing nothing, while requests hold blocks
+            True when the cache was emptied; False, changing nothing in it, while requests hold blocks
             (finish or abort them first: their K/V would be as stale as the cache's).
         """
+        self.runner.drop_packed_weights()
         return self.cache.block_manager.reset_prefix_cache()
 
     def stats(self) -> CacheStats:

@@ -27,6 +27,7 @@ from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata
 from .cache import PagedCache
 from .scheduler import SchedulerOutput
+from .weights import WeightsChange
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +114,11 @@ class ModelRunner:
             is recorded in ``compile_error``. The runner is constructed attached (its forwards installed).
         fuse_projections: fuse q|k|v and gate|up into one GEMM each inside the compiled layers
             (``fusion.py``); None: exactly when layers are compiled. Undone by ``uncompile``.
+        cpu_prepack_weights: ``EngineConfig.cpu_prepack_weights`` for the oneDNN CPU projections (below).
 
     Eager fp32 layers on an x86-64 CPU run their ``nn.Linear`` products through oneDNN during engine forwards
-    (``cpu_linear.py``: up to 2x MKL's sgemm on the dev machine); outside them the model is untouched.
+    (``cpu_linear.py``: up to 2x MKL's sgemm on the dev machine); outside them the model is untouched. While the
+    weights are stable across calls they read packed copies of the weights (``weights_changed``).
 
     Raises:
         ValueError: a limit that is not positive; ``fuse_projections=True`` without compiled layers.
@@ -134,6 +137,7 @@ class ModelRunner:
         use_cuda_graphs: bool = False,
         compile_layers: bool | None = None,
         fuse_projections: bool | None = None,
+        cpu_prepack_weights: bool | None = None,
     ):
         assert model.config._attn_implementation == ATTENTION_NAME, model.config._attn_implementation
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
@@ -179,7 +183,8 @@ class ModelRunner:
         if compile_on:
             self._compile(fuse=fuse_projections is not False)
         if self.device.type == "cpu" and not self.compiled_layers and cpu_linear.available():
-            self.cpu_linears = cpu_linear.RoutedLinears(model)  # eager fp32 projections through oneDNN (cpu_linear.py)
+            # eager fp32 projections through oneDNN (cpu_linear.py)
+            self.cpu_linears = cpu_linear.RoutedLinears(model, prepack=cpu_prepack_weights)
 
     # -- buffers ----------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:
@@ -409,9 +414,22 @@ class ModelRunner:
         self.graph_logits.clear()
         self._graph_pool = None
 
+    def weights_changed(self, change: WeightsChange) -> None:
+        """How the weights changed since the previous call (``LLMEngine.attach``, once per call): the packed CPU
+        weights are made or dropped by their policy (``cpu_linear.RoutedLinears.weights_changed``)."""
+        if self.cpu_linears is not None:
+            self.cpu_linears.weights_changed(change)
+
+    def drop_packed_weights(self) -> None:
+        """Free the packed CPU weights, if any (engine ``sleep``, ``close``, ``reset_prefix_cache``); the next call
+        with unchanged weights packs again."""
+        if self.cpu_linears is not None:
+            self.cpu_linears.drop()
+
     def release(self) -> None:
-        """Drop the captured CUDA graphs and the cache reference (engine close)."""
+        """Drop the captured CUDA graphs, the packed CPU weights and the cache reference (engine close)."""
         self.release_graphs()
+        self.drop_packed_weights()
         self.cache = None
 
     # -- CUDA graphs --------------------------------------------------------------------------------
