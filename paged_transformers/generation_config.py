@@ -156,7 +156,7 @@ def request_sampling_params(
     Returns:
         ``SamplingParams`` with ``n=1``: greedy (``temperature=0``) or plain multinomial
         (``temperature=1`` with no engine-side top-k/top-p: the warpers are in the processor list),
-        ``ignore_eos=True`` and ``stop_token_ids`` = the config's EOS ids, repetition penalty left to
+        ``ignore_eos=True`` and ``stop_token_ids`` = the config's EOS ids inside the vocabulary, repetition penalty left to
         the transformers processor.
 
     Raises:
@@ -189,7 +189,9 @@ def request_sampling_params(
         seed=seed,
         max_tokens=max_new_tokens,
         ignore_eos=True,
-        stop_token_ids=eos_token_ids(gc),
+        # an EOS id outside the vocabulary (GPT2Config's default 50256 on a small vocab) can never be sampled:
+        # stock generate() warns and runs, so it is dropped here rather than refused by the engine
+        stop_token_ids=[t for t in eos_token_ids(gc) if 0 <= t < model.config.get_text_config().vocab_size],
         logits_processors=[*extra_processors_first, *processors, *extra_processors_last],
     )
 

@@ -334,14 +334,15 @@ def _conversations(messages) -> list[list[dict]]:
     """One conversation (a list of message dicts) or a list of them, as a list of conversations.
 
     Raises:
-        ValueError: empty, or a conversation that is not a non-empty list of dicts with a ``"role"`` (index named).
+        ValueError: empty, or a conversation that is not a non-empty list of dicts with a ``"role"`` and a
+            ``"content"`` (index named).
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a conversation (a list of message dicts) or a list of them, got {messages!r:.80}")
     conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
     for i, conversation in enumerate(conversations):
         if not isinstance(conversation, (list, tuple)) or not conversation or not all(
-            isinstance(m, dict) and "role" in m for m in conversation
+            isinstance(m, dict) and "role" in m and "content" in m for m in conversation
         ):
             raise ValueError(f"conversation {i}: must be a non-empty list of {{'role': ..., 'content': ...}} dicts, got {conversation!r:.80}")
     return [list(c) for c in conversations]

@@ -203,11 +203,14 @@ class Sampler:
         """A processed row with a NaN or no finite logit cannot be sampled: it fails alone (added to ``errors``),
         and every failed row is zeroed so that the batch's draw stays valid."""
         processed = logits[torch.tensor(rows, device=logits.device)]
-        unusable = (processed.isnan().any(dim=-1) | ~processed.isfinite().any(dim=-1)).tolist()
-        for i, bad in zip(rows, unusable):
-            if bad and i not in errors:
+        num_nan = processed.isnan().sum(dim=-1).tolist()
+        no_finite = (~processed.isfinite().any(dim=-1)).tolist()
+        for i, nans, none_finite in zip(rows, num_nan, no_finite):
+            if (nans or none_finite) and i not in errors:
+                what = f"{nans} NaN logits" if nans else "no finite logit (every logit -inf or +inf)"
                 errors[i] = ValueError(
-                    f"logits processors left request {seqs[i].request_id!r} no finite logit (all -inf or NaN)"
+                    f"the logits processors of request {seqs[i].request_id!r} left {what} in its scores of "
+                    f"{processed.shape[-1]} tokens: {[type(p).__name__ for p in seqs[i].sampling_params.logits_processors]}"
                 )
         for i in errors:
             logits[i] = 0.0

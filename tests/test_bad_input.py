@@ -339,16 +339,25 @@ def test_engine_config_changed_after_construction(llama, field, value):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("fill", [float("-inf"), float("nan")], ids=["all-inf", "nan"])
-def test_logits_processor_leaving_no_finite_logit_fails_only_its_request(llama, fill, temperature, engine_spy):
+@pytest.mark.parametrize("fill, count, message", [
+    (float("-inf"), None, "no finite logit"), (float("inf"), None, "no finite logit"),
+    (float("nan"), None, "NaN logits"), (float("nan"), 3, "3 NaN logits"),
+], ids=["all--inf", "all-+inf", "all-nan", "three-nan"])
+def test_logits_processor_leaving_no_finite_logit_fails_only_its_request(llama, fill, count, message, temperature,
+                                                                          engine_spy):
+    """The error says what the processor left: NaNs (how many), or no finite logit at all."""
     def broken(input_ids, scores):
-        return torch.full_like(scores, fill)
+        if count is None:
+            return torch.full_like(scores, fill)
+        scores = scores.clone()
+        scores[0, :count] = fill
+        return scores
 
     params = [SamplingParams(temperature=temperature, max_tokens=4, logits_processors=[broken])]
     params += [SamplingParams(temperature=1.0, seed=3, max_tokens=4), GREEDY]
     outs = paged_generate(llama, PROMPTS, params, use_tqdm=False)
     bad = outs[0].outputs[0]
-    assert bad.finish_reason == "abort" and isinstance(bad.error, ValueError) and "no finite logit" in str(bad.error)
+    assert bad.finish_reason == "abort" and isinstance(bad.error, ValueError) and message in str(bad.error), bad.error
     assert outs[2].outputs[0].token_ids == stock_greedy(llama, PROMPTS[2], MAX_TOKENS)[0]
     assert len(outs[1].outputs[0].token_ids) == 4
     assert_pool_whole(engine_spy[0])

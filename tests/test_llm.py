@@ -68,6 +68,17 @@ def test_chat_equals_stock_on_the_templated_prompt(llm, smollm2):
         assert_stock_tokens(out.outputs[0].token_ids, *stock_greedy(model, ids, GREEDY.max_tokens), f"conversation {i}")
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "user"}],  # no content: used to surface as jinja2's UndefinedError
+    [[{"role": "user", "content": "hi"}], [{"content": "no role"}]],
+    [],
+], ids=["no-content", "no-role-in-second", "empty"])
+def test_malformed_conversation_is_a_value_error(llm, messages):
+    with pytest.raises(ValueError, match=r"messages must be|conversation \d"):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert llm.llm_engine.stats().num_used_blocks == 0
+
+
 def test_every_prompt_form_in_input_order(llm, smollm2):
     model, tokenizer = smollm2
     texts = ["Hello", "The quick brown fox", "1, 2, 3, 4, 5,", "Water boils at"]

@@ -322,3 +322,19 @@ def test_rope_positions_past_max_position_embeddings(tiny_model, engine_count, p
     stock = run_at_length(model, prompt_len, max_new, patched=False)
     assert torch.equal(run_at_length(model, prompt_len, max_new, patched=True), stock)
     assert len(engine_count) == (served == "engine")
+
+
+def test_eos_id_outside_the_vocabulary_runs_as_stock(engine_count):
+    """GPT2Config's default eos 50256 on a 128-token vocabulary: stock generate() warns and runs; the patched call
+    used to refuse it (``stop_token_ids outside the vocabulary``). Such an id can never be sampled, so the engine
+    serves the call without it, with stock's tokens."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2)  # eos 50256
+    model = transformers.GPT2LMHeadModel(config).eval()
+    assert model.generation_config.eos_token_id >= model.config.vocab_size
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    stock = model.generate(ids, **kwargs)
+    with paged_transformers.patch():
+        assert torch.equal(model.generate(ids, **kwargs), stock)
+    assert len(engine_count) == 1
