@@ -77,14 +77,8 @@ def paged_generate(
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
     prompts = list(prompts)
-    if isinstance(sampling_params, (list, tuple)):
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        params_list = list(sampling_params)
-    elif sampling_params is None:
-        params_list = None  # built per prompt from the GenerationConfig (generation_config.py)
-    else:
-        params_list = [sampling_params] * len(prompts)
+    # None: built per prompt from the GenerationConfig (generation_config.py)
+    params_list = None if sampling_params is None else params_per_prompt(sampling_params, len(prompts))
     if logits_processor and params_list is not None:
         params_list = [_with_processors(p, list(logits_processor)) for p in params_list]
 
@@ -95,6 +89,19 @@ def paged_generate(
                 model, generation_config, prompts, engine, tokenizer, logits_processor
             )
         return run_to_completion(engine, prompts, params_list, use_tqdm=use_tqdm, stopping_criteria=stopping)
+
+
+def params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt: the list (or tuple) given, or the one given, repeated.
+
+    Raises:
+        ValueError: a list of another length than ``num_prompts``.
+    """
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
+        return list(sampling_params)
+    return [sampling_params] * num_prompts
 
 
 def run_to_completion(

@@ -15,7 +15,7 @@ import torch
 from . import checkpoint, warm
 from .config import EngineConfig
 from .engine import LLMEngine
-from .generate import run_to_completion
+from .generate import params_per_prompt, run_to_completion
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -245,12 +245,7 @@ class LLM:
         """Run ``(engine prompt, reported text)`` pairs to completion on the warm engine."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(parsed):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(parsed)} prompts")
-            params_list = list(sampling_params)
-        else:
-            params_list = [sampling_params] * len(parsed)
+        params_list = params_per_prompt(sampling_params, len(parsed))
         # (a request refused midway leaves none queued: attached_engine aborts unfinished requests on exit)
         with warm.attached_engine(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
             outputs = run_to_completion(engine, [p for p, _ in parsed], params_list, use_tqdm=use_tqdm)

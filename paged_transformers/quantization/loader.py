@@ -286,8 +286,6 @@ def _to_dtype(dtype) -> torch.dtype:
     return value
 
 
-
-
 def _set_generation_config(model, folder: str) -> None:
     if os.path.isfile(os.path.join(folder, "generation_config.json")):
         from transformers import GenerationConfig
