@@ -20,7 +20,10 @@ eager code does (e.g. the bf16 output of SiLU before the multiply), keeping the 
 eager model up to the order of floating-point reductions.
 """
 
+import contextlib
+
 import torch
+import torch.fx.experimental._config as fx_config
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .decode_linear import DecodeLinearPass
@@ -32,8 +35,26 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass
 # eagerly, silently. transformers' wrappers (the layers' ``__call__`` / checkpointing wrappers, the rotary embedding's
 # decorator) are one code object for every model class, and each model compiled in a process adds versions of them:
 # with the default, the third model class's layers already ran eagerly (tiny models on CPU, compile_error None).
-# ``compile_layers`` raises the process-wide limit to at least this.
+# ``tracing_settings`` raises it inside the engine's forwards.
 RECOMPILE_LIMIT = 64
+
+
+def tracing_settings() -> contextlib.ExitStack:
+    """The torch settings the compiled layers are traced under, entered around every forward of an engine with
+    compiled layers (where Dynamo traces and recompiles), never set process-wide:
+
+    - ``backed_size_oblivious`` and no duck shapes: Dynamo does not specialize the row count 1 (a batch-1 decode
+      step) nor tie it to the other dimensions of size 1, so one graph per layer piece serves every step shape.
+      A Llama's layers, rotary embedding, norm and LM head trace 7 graphs instead of 14, which halves the Dynamo
+      and Inductor time of the first engine in a process. The batch-1 projections still take the GEMV:
+      ``decode_linear.linear`` chooses at run time.
+    - ``recompile_limit`` of at least ``RECOMPILE_LIMIT`` (the NOTE above).
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(backed_size_oblivious=True, use_duck_shape=False))
+    stack.enter_context(torch._dynamo.config.patch(
+        recompile_limit=max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)))
+    return stack
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -69,10 +90,10 @@ def outer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def compile_layers(model: torch.nn.Module, options: dict | None = None) -> list[tuple[torch.nn.Module, object]]:
     """Replace the ``forward`` of each decoder layer, then of each of ``outer_modules``, by its ``torch.compile``d
-    version (lazy: Dynamo traces on the first call). A ``forward`` already set on the instance (accelerate's
-    device-map / offload hooks, a user's wrapper) is what gets compiled, and is put back by ``uncompile_layers``.
-    ``options``: Inductor options on top of ``INDUCTOR_OPTIONS`` (``fusion.COMPILE_OPTIONS`` when projections are
-    fused). Raises Dynamo's process-wide ``recompile_limit`` to at least ``RECOMPILE_LIMIT`` (its NOTE).
+    version (lazy: Dynamo traces on the first call, which must run under ``tracing_settings``). A ``forward``
+    already set on the instance (accelerate's device-map / offload hooks, a user's wrapper) is what gets compiled,
+    and is put back by ``uncompile_layers``. ``options``: Inductor options on top of ``INDUCTOR_OPTIONS``
+    (``fusion.COMPILE_OPTIONS`` when projections are fused).
 
     Returns:
         ``(module, previous instance forward or None)`` per module changed, decoder layers first, for
@@ -80,8 +101,6 @@ def compile_layers(model: torch.nn.Module, options: dict | None = None) -> list[
     """
     changed, options = [], {**INDUCTOR_OPTIONS, **(options or {})}
     layers = decoder_layers(model)
-    if layers:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for module in layers + (outer_modules(model) if layers else []):
         changed.append((module, vars(module).get("forward")))
         module.forward = torch.compile(module.forward, dynamic=True, options=options)

@@ -307,7 +307,7 @@ class ModelRunner:
             attend=self.attend,
             attend_plan=plan,
         )
-        with self.cpu_linears.routed() if self.cpu_linears is not None else contextlib.nullcontext():
+        with self._forward_scope():
             return self.model(
                 input_ids=self.input_ids[:num_tokens].unsqueeze(0),
                 position_ids=self.positions[:num_tokens].unsqueeze(0),
@@ -317,6 +317,15 @@ class ModelRunner:
                 # row as a slice, without the gather kernel of an index tensor
                 logits_to_keep=0 if num_sampled == num_tokens else self.logits_indices[:num_sampled],
             ).logits
+
+    def _forward_scope(self) -> contextlib.AbstractContextManager:
+        """What every forward runs under: the compiled layers' tracing settings, the CPU projections' oneDNN route,
+        or nothing."""
+        if self.compiled_layers:
+            from .compile import tracing_settings
+
+            return tracing_settings()
+        return self.cpu_linears.routed() if self.cpu_linears is not None else contextlib.nullcontext()
 
     # -- torch.compile --------------------------------------------------------------------------------
     def _dummy_step(self, num_seqs: int) -> tuple:
@@ -347,10 +356,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile(self, fuse: bool = False) -> None:
         """Compile the decoder layers now (first fusing their projections if ``fuse``). Dummy forwards trace the
-        graphs the first real steps need, so that no call recompiles: one token (batch-1 decode, where the
-        projections are routed to the GEMV), two sequences of one token (the dynamic-shape graph), and one
-        sequence of three tokens with one row sampled (a prompt step: Dynamo specializes a dimension of size 1,
-        here the sequence count, and the LM head then gets an index)."""
+        graphs the first real steps need, so that no call recompiles: decode steps of one and of two sequences, and
+        a prompt step of three tokens with one row sampled (the LM head then gets an index). Under
+        ``compile.tracing_settings`` all three run the same graphs, one per layer piece."""
         from . import fusion
         from .compile import compile_layers
 

@@ -1,7 +1,11 @@
 """Where the first engine of a process spends its time (issue 18's <= 10 s target): the phases of
-``engine_for`` and of the first ``paged_generate`` call, with Dynamo's compile times and recompile reasons.
+``engine_for`` and of the first ``paged_generate`` call, with Dynamo's compile times and recompile reasons, and
+the decode speed the engine then has (batch 1 and 64), so that a start-up saving that costs speed shows.
 
     TORCH_LOGS=recompiles python research/startup_profile.py --out DIR   # on the GPU machine, twice (cold, warm cache)
+
+``--specialize-one`` traces as the tree before ``compile.tracing_settings`` did (the row count 1 specialized, duck
+shapes on): the comparison behind that setting. ``--cprofile`` also writes the construction's cProfile (top 60).
 """
 
 import argparse
@@ -32,7 +36,19 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--out", default=".")
     parser.add_argument("--tag", default="run")
+    parser.add_argument("--specialize-one", action="store_true")
+    parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
+    if args.specialize_one:
+        import torch.fx.experimental._config as fx_config
+
+        from paged_transformers import compile as compile_mod
+
+        def old_settings():
+            return torch._dynamo.config.patch(recompile_limit=64)
+
+        compile_mod.tracing_settings = old_settings
+        assert not fx_config.backed_size_oblivious
     import torch._dynamo.utils
 
     from paged_transformers import EngineConfig, SamplingParams, paged_generate, sizing
@@ -49,9 +65,24 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build_model(args.model, torch.bfloat16, "cuda")
     report = {"build_model_s": time.perf_counter() - t0}
+    profiler = None
+    if args.cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     engine_for(model, engine_config=EngineConfig())
     report["construction_s"] = time.perf_counter() - t0
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+        with open(f"{args.out}/startup_{args.tag}_cprofile.txt", "w") as f:
+            f.write(text.getvalue())
     report["construction_phases"] = dict(TIMES)
     report["compile_times_construction"] = torch._dynamo.utils.compile_times(repr="str")
     TIMES.clear()
@@ -62,6 +93,14 @@ def main() -> None:
         report[name + "_s"] = time.perf_counter() - t0
         report[name + "_phases"] = dict(TIMES)
         TIMES.clear()
+    for batch, new in ((1, 128), (64, 64)):  # decode speed: graph steps dominate these calls
+        prompts = [torch.randint(0, 1000, (128,)).tolist() for _ in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        paged_generate(model, prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        paged_generate(model, prompts, params, use_tqdm=False)
+        report[f"b{batch}_ms_per_step"] = (time.perf_counter() - t0) / new * 1e3
     report["compile_times_total"] = torch._dynamo.utils.compile_times(repr="str")
     with open(f"{args.out}/startup_{args.tag}.json", "w") as f:
         json.dump(report, f, indent=2)
