@@ -51,6 +51,7 @@ from ..generation_config import ENGINE_MODES, ScoreRecorder, request_sampling_pa
 from ..streaming import run_engine
 from ..warm import attached_engine, current_engine, release
 from .loading import patch_from_pretrained, unpatch_from_pretrained
+from .pipeline import patch_pipeline, unpatch_pipeline
 
 logger = logging.getLogger("paged_transformers")
 
@@ -102,7 +103,8 @@ class PatchHandle:
 
 
 def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
-    """Route ``model.generate()`` (and so ``pipeline("text-generation")``) through the paged engine.
+    """Route ``model.generate()`` (and so ``pipeline("text-generation")``, which then hands a list of prompts to one
+    ``generate()`` call: ``patches/pipeline.py``) through the paged engine.
 
     Idempotent; ``unpatch()`` restores transformers. Usable as ``with paged_transformers.patch(): ...``.
 
@@ -135,6 +137,7 @@ def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
         raise ValueError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
     _ENGINE_CONFIG[0] = engine_config
     patch_from_pretrained()
+    patch_pipeline()
     if not _ORIGINALS:
         for name, replacement in (("generate", _generate), ("_sample", _sample), ("_beam_search", _beam_search)):
             _ORIGINALS[name] = GenerationMixin.__dict__[name]
@@ -149,6 +152,7 @@ def unpatch() -> None:
         release(model)
     _DROP_IN_MODELS.clear()
     unpatch_from_pretrained()
+    unpatch_pipeline()
     for name, original in _ORIGINALS.items():
         setattr(GenerationMixin, name, original)
     _ORIGINALS.clear()

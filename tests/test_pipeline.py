@@ -1,5 +1,6 @@
 """``pipeline("text-generation")`` on a patched model returns what stock returns (SmolLM2, fp32 CPU):
-6 prompts with batch_size 4, return_full_text, chat-message inputs; the batches run on the engine."""
+6 prompts with batch_size 4, return_full_text, chat-message inputs; a list runs on the engine in one
+``generate()`` call, and falls back to the pipeline's batches where the engine would not serve it."""
 
 from transformers import pipeline
 
@@ -37,8 +38,26 @@ def test_pipeline_matches_stock(smollm2, monkeypatch):
         assert pipe(PROMPTS, return_full_text=False, **kwargs) == stock_new
         assert pipe(CHATS, **kwargs) == stock_chat
         engine = paged_transformers.engine_for(model)
-    assert len(calls) == 2 + 2 + 1  # 6 prompts in batches of 4 -> 2 engine runs each; 2 chats -> 1
-    assert engine.closed  # one warm engine served every batch; unpatch() released it
+    assert len(calls) == 1 + 1 + 1  # each list of prompts (or chats) in one engine run, not one per batch of 4
+    assert engine.closed  # one warm engine served every call; unpatch() released it
+
+
+def test_pipeline_keeps_its_batches_where_the_engine_would_not_serve_the_list(smollm2, monkeypatch):
+    """Beam search (stock code on a PagedCache) and right padding (stock code) keep the pipeline's batches, so the
+    stock path never sees a larger batch than the user asked for."""
+    model, tokenizer = smollm2
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    sizes = []
+    original = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **k: sizes.append(len(k["input_ids"])) or original(*a, **k))
+    with paged_transformers.patch():
+        monkeypatch.setattr(tokenizer, "padding_side", "left")
+        pipe(PROMPTS[:3], batch_size=2, max_new_tokens=2, num_beams=2, do_sample=False)
+        monkeypatch.setattr(tokenizer, "padding_side", "right")
+        pipe(PROMPTS[:3], batch_size=2, max_new_tokens=2, do_sample=False)
+        monkeypatch.setattr(tokenizer, "padding_side", "left")
+        pipe(PROMPTS[:3], batch_size=2, max_new_tokens=2, do_sample=False)
+    assert sizes == [2, 1, 2, 1, 3]
 
 
 
@@ -57,4 +76,4 @@ def test_pipeline_stop_sequence_on_the_engine(smollm2, monkeypatch):
     monkeypatch.setattr(patch_module, "_engine_generate", lambda *a, **k: calls.append(1) or original(*a, **k))
     with paged_transformers.patch():
         assert pipe(PROMPTS, **kwargs) == stock
-    assert len(calls) == 2  # 6 prompts in batches of 4, both served by the engine
+    assert len(calls) == 1  # the 6 prompts in one engine run
