@@ -178,7 +178,8 @@ def main() -> None:
     engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, max_num_seqs=max(256, *batches)))
     result = {"model": args.model, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "init_s": time.perf_counter() - t0,
-              "graphs": len(engine.runner.graphs), "compiled_layers": len(engine.runner.compiled_layers)}
+              "graphs": len(engine.runner.graphs.graphs) if engine.runner.graphs is not None else 0,
+              "compiled_layers": len(engine.runner.compilation.modules) if engine.runner.compilation is not None else 0}
     try:
         import triton
 

@@ -40,11 +40,11 @@ class EngineConfig:
             Also turns off ``compile_layers``'s default.
         compile_layers: ``torch.compile`` each decoder layer around the paged attention, fusing the small
             ops between the projections (norms, rotary embedding, activation, residual adds), and the
-            rotary embedding, final norm and LM head outside the layers (see ``paged_transformers.compile``).
+            rotary embedding, final norm and LM head outside the layers (see ``paged_transformers.compilation``).
             None (default): on exactly when CUDA graphs are (CUDA, Triton attention, not ``enforce_eager``);
             compiling takes tens of seconds at engine start.
         fuse_projections: in the compiled layers, compute q|k|v and gate|up as one GEMM each over a
-            concatenated weight (``paged_transformers.fusion``; memory neutral, undone on close). None
+            concatenated weight (``paged_transformers.compilation.fusion``; memory neutral, undone on close). None
             (default): on exactly when ``compile_layers`` is; True without compiled layers is a ValueError
             (eagerly, fusion would compute each fused product once per projection).
         async_scheduling: schedule and launch a decode step before the previous step's sampled tokens

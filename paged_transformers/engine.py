@@ -173,7 +173,7 @@ class LLMEngine:
         self.startup_times = {"kv_sizing_s": sizing_s, "runner_s": time.perf_counter() - t0}
         logger.info("paged_transformers: KV pool of %d blocks of %d tokens, sized in %.1f s; runner ready in %.1f s%s",
                     num_blocks, self.config.block_size, sizing_s, self.startup_times["runner_s"],
-                    " (layers compiled)" if self.runner.compiled_layers else "")
+                    " (layers compiled)" if self.runner.compiled else "")
         self.peak_num_used_blocks = 0
         self.device = device
         self._in_flight: _InFlight | None = None  # async scheduling: the step left running on the device
@@ -252,7 +252,6 @@ class LLMEngine:
         self._drain()
         runner = getattr(self, "runner", None)
         if runner is not None:
-            runner.uncompile()
             runner.release()
         self._free_pool()
         if self.attached:

@@ -8,10 +8,11 @@ metadata in buffers allocated once (vLLM's persistent input buffers; nano-vllm's
 and builds them with numpy over whole arrays instead of Python loops over tokens. Decode-only steps
 (every sequence one token, every sequence sampled) replay a CUDA graph of their batch-size bucket on those
 same static buffers, captured the first time a decode step of that bucket runs; mixed and prefill steps run
-eagerly (CUDA graphs: NVIDIA's ``cudaGraphLaunch``; bucketed capture as in vLLM's ``CUDAGraphRunner``).
+eagerly (``compilation/cuda_graphs.py``).
 
-The runner's compiled forwards and fused projections are installed in the model only while the engine is
-attached (``attach`` / ``detach``): between calls the model runs its own modules.
+The compiled layers, fused projections and decode graphs are the runner's ``compilation``
+(``paged_transformers.compilation``), installed in the model only while the engine is attached (``attach`` /
+``detach``): between calls the model runs its own modules.
 """
 
 import contextlib
@@ -30,27 +31,6 @@ from .scheduler import SchedulerOutput
 from .weights import WeightsChange
 
 logger = logging.getLogger(__name__)
-
-# NOTE: vLLM's bucket ladder: every size up to 4, then multiples of 8 up to 16 and of 16 after it. A
-# decode step at batch S runs the smallest bucket >= S; the padding rows cost compute only (their
-# weights are read anyway), and decode is bandwidth-bound, so coarse buckets above 16 are nearly free.
-_SMALL_BUCKETS = (1, 2, 4, 8)
-_BUCKET_STRIDE = 16
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes (sequences) a decode CUDA graph is captured for, ascending; the last is ``max_num_seqs``.
-
-    Raises:
-        ValueError: ``max_num_seqs`` not positive.
-    """
-    if max_num_seqs <= 0:
-        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
-    sizes = [s for s in _SMALL_BUCKETS if s < max_num_seqs]
-    sizes += [s for s in range(_BUCKET_STRIDE, max_num_seqs, _BUCKET_STRIDE)]
-    sizes.append(max_num_seqs)
-    return sorted(set(sizes))
-
 
 @dataclass(slots=True)
 class StepTrace:
@@ -105,15 +85,15 @@ class ModelRunner:
             biggest step seen is not bounded, so both must be given for the buffers (the engine does).
         max_model_len: longest sequence in tokens (block-table width; the graphs' ``max_seq_len`` bound).
         use_cuda_graphs: replay decode steps from CUDA graphs, each bucket's graph captured at its first
-            decode step (``_graph_bucket``). Honoured only on CUDA and with a backend whose functions say they
-            launch without reading metadata on the host (``host_sync = False``; the torch backends call
+            decode step (``compilation.DecodeGraphs``). Honoured only on CUDA and with a backend whose functions
+            say they launch without reading metadata on the host (``host_sync = False``; the torch backends call
             ``.tolist()``, which cannot be captured); otherwise the runner stays eager.
-        compile_layers: ``torch.compile`` the decoder layers around the attention (``compile.py``);
+        compile_layers: ``torch.compile`` the decoder layers around the attention (``compilation/layers.py``);
             None: exactly when decode graphs are used. Compiled at construction by dummy forwards
-            (``_compile``); a compile error leaves the layers eager and
-            is recorded in ``compile_error``. The runner is constructed attached (its forwards installed).
+            (``_compile``); a compile error leaves the layers eager and is recorded in
+            ``compilation.compile_error``. The runner is constructed attached (its forwards installed).
         fuse_projections: fuse q|k|v and gate|up into one GEMM each inside the compiled layers
-            (``fusion.py``); None: exactly when layers are compiled. Undone by ``uncompile``.
+            (``compilation/fusion.py``); None: exactly when layers are compiled. Undone on ``release``.
         cpu_prepack_weights: ``EngineConfig.cpu_prepack_weights`` for the oneDNN CPU projections (below).
 
     Eager fp32 layers on an x86-64 CPU run their ``nn.Linear`` products through oneDNN during engine forwards
@@ -158,33 +138,35 @@ class ModelRunner:
         self._staged: torch.cuda.Event | None = None  # recorded after prepare's host-to-device copies
 
         # a backend that reads metadata on the host (.tolist(), int(...)) cannot be captured; unmarked: assume it does
-        self.graphs_enabled = (bool(use_cuda_graphs) and self.device.type == "cuda"
-                               and not getattr(attend, "host_sync", True) and not getattr(write_kv, "host_sync", True))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_logits: dict[int, torch.Tensor] = {}  # bucket -> static [1, bucket, vocab] output
-        self.graph_sizes = graph_batch_sizes(max_num_seqs) if self.graphs_enabled else []
-        self.graph_capture_error: str | None = None
-        self._graph_pool = None  # the memory pool all decode graphs share (created at the first capture)
-        self._capture_stream: torch.cuda.Stream | None = None
+        graphs_on = (bool(use_cuda_graphs) and self.device.type == "cuda"
+                     and not getattr(attend, "host_sync", True) and not getattr(write_kv, "host_sync", True))
         self.record_steps = False
         self.steps: list[StepTrace] = []
-        self.compiled_layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its previous forward)
-        self.compile_error: str | None = None
-        self.fusion = None  # fusion.FusionHandle while projections are fused
-        # (owner, attribute, the engine's object, the model's own or None: no instance attribute), swapped by
-        # attach / detach: each compiled module's forward, each fused group's FusedLinearSlices
-        self._swaps: list[tuple[torch.nn.Module, str, object, object | None]] = []
-        self.attached = True
-        compile_on = compile_layers if compile_layers is not None else self.graphs_enabled
+        compile_on = compile_layers if compile_layers is not None else graphs_on
         if fuse_projections and not compile_on:
             raise ValueError("fuse_projections=True needs compiled layers (compile_layers), which are off here: "
                              "eagerly every fused slice computes the whole fused product")
-        self.cpu_linears: cpu_linear.RoutedLinears | None = None
+        self.compilation = None  # compilation.Compilation with compiled layers or decode graphs
+        if compile_on or graphs_on:
+            from .compilation import Compilation
+
+            self.compilation = Compilation(model, self.device, max_num_seqs, cuda_graphs=graphs_on)
         if compile_on:
             self._compile(fuse=fuse_projections is not False)
-        if self.device.type == "cpu" and not self.compiled_layers and cpu_linear.available():
+        self.cpu_linears: cpu_linear.RoutedLinears | None = None
+        if self.device.type == "cpu" and not self.compiled and cpu_linear.available():
             # eager fp32 projections through oneDNN (cpu_linear.py)
             self.cpu_linears = cpu_linear.RoutedLinears(model, prepack=cpu_prepack_weights)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the layers are compiled (False also after a compile error)."""
+        return self.compilation is not None and bool(self.compilation.modules)
+
+    @property
+    def graphs(self):
+        """The ``compilation.DecodeGraphs``, or None when decode steps run eagerly."""
+        return self.compilation.graphs if self.compilation is not None else None
 
     # -- buffers ----------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:
@@ -321,10 +303,8 @@ class ModelRunner:
     def _forward_scope(self) -> contextlib.AbstractContextManager:
         """What every forward runs under: the compiled layers' tracing settings, the CPU projections' oneDNN route,
         or nothing."""
-        if self.compiled_layers:
-            from .compile import tracing_settings
-
-            return tracing_settings()
+        if self.compiled:
+            return self.compilation.scope()
         return self.cpu_linears.routed() if self.cpu_linears is not None else contextlib.nullcontext()
 
     # -- torch.compile --------------------------------------------------------------------------------
@@ -353,74 +333,31 @@ class ModelRunner:
         self.logits_indices[:1].fill_(T - 1)
         return (T, 1, 1, T, self.max_model_len)
 
-    @torch.inference_mode()
-    def _compile(self, fuse: bool = False) -> None:
-        """Compile the decoder layers now (first fusing their projections if ``fuse``). Dummy forwards trace the
-        graphs the first real steps need, so that no call recompiles: decode steps of one and of two sequences, and
-        a prompt step of three tokens with one row sampled (the LM head then gets an index). Under
-        ``compile.tracing_settings`` all three run the same graphs, one per layer piece."""
-        from . import fusion
-        from .compile import compile_layers
-
-        if fuse:
-            self.fusion = fusion.fuse_projections(self.model)
-        self.compiled_layers = compile_layers(self.model, fusion.COMPILE_OPTIONS if fuse else None)
-        try:
-            for n in (1, min(2, self.max_num_seqs)):
-                self._forward(*self._dummy_step(n))
-            if self.max_num_tokens >= 3:
-                self._forward(*self._dummy_prefill(3))
-        except BaseException as e:  # an op Dynamo or Inductor cannot handle: stay eager; an interrupt: re-raise
-            self.uncompile()
-            if not isinstance(e, Exception):
-                raise
-            self.compile_error = f"{type(e).__name__}: {e}"
-            logger.warning("torch.compile of the decoder layers failed, they run eagerly: %s", self.compile_error)
-            return
-        self._swaps = [(module, "forward", vars(module)["forward"], previous) for module, previous in self.compiled_layers]
-        for parent, originals, _ in self.fusion.groups if self.fusion is not None else ():
-            self._swaps += [(parent, name, getattr(parent, name), original) for name, original in originals]
+    def _compile(self, fuse: bool) -> None:
+        """Compile the layers now (``Compilation.compile``). The dummy forwards trace the graphs the first real
+        steps need, so that no call recompiles: decode steps of one and of two sequences, and a prompt step of
+        three tokens with one row sampled (the LM head then gets an index). Under ``layers.tracing_settings`` all
+        three run the same graphs, one per layer piece."""
+        warmups = [lambda n=n: self._forward(*self._dummy_step(n)) for n in (1, min(2, self.max_num_seqs))]
+        if self.max_num_tokens >= 3:
+            warmups.append(lambda: self._forward(*self._dummy_prefill(3)))
+        self.compilation.compile(fuse, warmups)
 
     def attach(self) -> None:
-        """Install the compiled forwards and the fused projections in the model (the same objects each time, so
-        Dynamo's compiled code is reused, not recompiled). Idempotent."""
-        if not self.attached:
-            for owner, name, ours, _ in self._swaps:
-                setattr(owner, name, ours)
-            self.attached = True
+        """Install the compiled forwards and fused projections in the model (``Compilation.apply``)."""
+        if self.compilation is not None:
+            self.compilation.apply()
 
     def detach(self) -> None:
-        """Give the model its own forwards and projection modules back, keeping the compiled wrappers and fused
-        modules for ``attach``. The original projections' weights stay views into the fused weights, so in-place
-        writes to them (an optimizer step, ``load_state_dict``) are what the fused modules compute with. Idempotent."""
-        if self.attached:
-            for owner, name, _, theirs in self._swaps:
-                if theirs is not None:
-                    setattr(owner, name, theirs)
-                elif name in vars(owner):
-                    delattr(owner, name)  # the class's forward again
-            self.attached = False
-
-    def uncompile(self) -> None:
-        """Give the model's decoder layers their eager ``forward`` and unfused projections back, for good (the
-        engine calls this on close): the original projections get contiguous copies of their weights."""
-        from .compile import uncompile_layers
-        from .fusion import unfuse_projections
-
-        self.detach()
-        self._swaps = []
-        uncompile_layers(self.compiled_layers)
-        self.compiled_layers = []
-        if self.fusion is not None:
-            unfuse_projections(self.fusion)
-            self.fusion = None
+        """Give the model its own forwards and projections back, keeping the compiled code (``Compilation.restore``)."""
+        if self.compilation is not None:
+            self.compilation.restore()
 
     def release_graphs(self) -> None:
-        """Drop the captured CUDA graphs and their memory pool (they hold the KV pool's addresses: the engine's
-        ``sleep`` and ``close``). Later decode steps capture their buckets' graphs again."""
-        self.graphs.clear()
-        self.graph_logits.clear()
-        self._graph_pool = None
+        """Drop the captured CUDA graphs and their memory pool (the engine's ``sleep``); later decode steps capture
+        their buckets' graphs again."""
+        if self.graphs is not None:
+            self.graphs.release()
 
     def weights_changed(self, change: WeightsChange) -> None:
         """How the weights changed since the previous call (``LLMEngine.attach``, once per call): the packed CPU
@@ -435,69 +372,27 @@ class ModelRunner:
             self.cpu_linears.drop()
 
     def release(self) -> None:
-        """Drop the captured CUDA graphs, the packed CPU weights and the cache reference (engine close)."""
-        self.release_graphs()
+        """Give the model its eager layers and unfused projections back for good (``Compilation.undo``), and drop
+        the CUDA graphs, the packed CPU weights and the cache reference (engine close)."""
+        if self.compilation is not None:
+            self.compilation.undo()
         self.drop_packed_weights()
         self.cache = None
 
-    # -- CUDA graphs --------------------------------------------------------------------------------
     def _graph_bucket(self, out: SchedulerOutput) -> int | None:
-        """The graph bucket that runs ``out``, or None to run it eagerly.
-
-        A decode-only step (every sequence one token, every one sampled) of ``S <= max_num_seqs`` sequences runs
-        the smallest bucket ``>= S``; the bucket's graph is captured now when this is its first step. A failed
-        capture turns graphs off for good (``_capture``).
-        """
-        if not self.graphs_enabled:
-            return None
+        """The graph bucket that runs ``out`` (``DecodeGraphs.bucket``, which captures a bucket's graph at its first
+        step), or None to run it eagerly: no graphs, or not a decode-only step (every sequence one token, every one
+        sampled, not a one-token chunk of a prompt)."""
         S = len(out.seqs)
-        # every sequence one token, and every one sampled (not a one-token chunk of a prompt)
-        if S > self.graph_sizes[-1] or out.num_scheduled_tokens.count(1) != S or not all(out.sample_mask):
+        if self.graphs is None or out.num_scheduled_tokens.count(1) != S or not all(out.sample_mask):
             return None
-        size = next(size for size in self.graph_sizes if size >= S)
-        if size not in self.graphs and not self._capture(size):
-            return None
-        return size
+        return self.graphs.bucket(S, self._dummy_decode)
 
-    def _capture(self, size: int) -> bool:
-        """Capture the decode graph of bucket ``size`` (``_record_graph``). Returns False when the capture failed:
-        then every graph is dropped, the runner stays eager from now on, and ``graph_capture_error`` says why."""
-        try:
-            self.graphs[size], self.graph_logits[size] = self._record_graph(self._dummy_step(size))
-        except Exception as e:  # an op that syncs or allocates on the host inside the forward
-            self.release_graphs()
-            self.graphs_enabled = False
-            self.graph_capture_error = f"{type(e).__name__}: {e}"
-            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", self.graph_capture_error)
-            return False
-        return True
-
-    def _record_graph(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Record ``_forward(*args)`` (a padded dummy decode step) as a CUDA graph in the shared memory pool.
-
-        The step runs eagerly twice first, on the capture stream (Triton JIT, cuBLAS workspaces); every
-        ``slot_mapping`` entry is -1, so the KV cache is not written. The graph is recorded with
-        ``max_seq_len = max_model_len`` (a host-side upper bound the kernels size their grids from).
-
-        Returns:
-            ``(graph, logits)``: the graph and its static output ``[1, bucket, vocab]``.
-        """
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-            self._capture_stream = torch.cuda.Stream(self.device)
-        stream, current = self._capture_stream, torch.cuda.current_stream(self.device)
-        try:
-            stream.wait_stream(current)  # the steps before (and the dummy step's buffer writes) come first
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(*args)
-            current.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
-                logits = self._forward(*args)
-        finally:
-            torch.cuda.synchronize(self.device)  # the real step's buffer writes come after the capture's reads
-        return graph, logits
+    def _dummy_decode(self, size: int):
+        """The buffers filled with a dummy decode step of ``size`` rows; returns its forward, for capture (recorded
+        with ``max_seq_len = max_model_len``, a host-side upper bound the kernels size their grids from)."""
+        args = self._dummy_step(size)
+        return lambda: self._forward(*args)
 
     # -- a step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -529,8 +424,7 @@ class ModelRunner:
         if input_ids is not None:
             self.input_ids[:S].copy_(input_ids)
         if bucket is not None:
-            self.graphs[bucket].replay()
-            logits = self.graph_logits[bucket][0, :S].float()
+            logits = self.graphs.replay(bucket, S).float()
         else:
             logits = self._forward(T, S, num_sampled, max_query_len, max_seq_len)[0].float()
         if start is not None:

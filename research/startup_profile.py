@@ -42,7 +42,7 @@ def main() -> None:
     if args.specialize_one:
         import torch.fx.experimental._config as fx_config
 
-        from paged_transformers import compile as compile_mod
+        from paged_transformers.compilation import layers as compile_mod
 
         def old_settings():
             return torch._dynamo.config.patch(recompile_limit=64)
@@ -54,13 +54,14 @@ def main() -> None:
     from paged_transformers import EngineConfig, SamplingParams, paged_generate, sizing
     from paged_transformers import cache as cache_mod
     from paged_transformers import runner as runner_mod
+    from paged_transformers.compilation import cuda_graphs as cuda_graphs_mod
     from paged_transformers.bench.workload import build_model
     from paged_transformers.warm import engine_for
 
     timed(sizing, "profile_activation_bytes")
     timed(cache_mod.PagedCache, "__init__")
     timed(runner_mod.ModelRunner, "_compile")
-    timed(runner_mod.ModelRunner, "_record_graph")
+    timed(cuda_graphs_mod.DecodeGraphs, "record")
     timed(runner_mod.ModelRunner, "_forward")
     t0 = time.perf_counter()
     model = build_model(args.model, torch.bfloat16, "cuda")

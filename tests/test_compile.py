@@ -11,7 +11,7 @@ import torch
 
 from conftest import engine_greedy, random_prompts, stock_greedy
 from paged_transformers import EngineConfig, LLMEngine
-from paged_transformers.compile import decoder_layers, outer_modules
+from paged_transformers.compilation.layers import decoder_layers, outer_modules
 
 
 def test_compiled_layers_match_stock_generate(tiny_model):
@@ -27,8 +27,8 @@ def test_compiled_layers_match_stock_generate(tiny_model):
     torch._dynamo.reset()
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=128, max_num_seqs=4)
     with LLMEngine(model, engine_config=config) as engine:
-        assert engine.runner.compile_error is None
-        assert [module for module, _ in engine.runner.compiled_layers] == layers + outer
+        assert engine.runner.compilation.compile_error is None
+        assert [module for module, _ in engine.runner.compilation.modules] == layers + outer
         assert all("forward" in vars(module) for module in layers + outer)
         got = engine_greedy(engine, prompts, max_tokens)
     assert got == refs
@@ -53,7 +53,7 @@ def test_close_restores_a_forward_set_on_the_instance(tiny_model):
         torch._dynamo.reset()
         config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
         with LLMEngine(model, engine_config=config) as engine:
-            assert engine.runner.compile_error is None
+            assert engine.runner.compilation.compile_error is None
             engine_greedy(engine, [[5, 6, 7]], [2])
         assert vars(layer)["forward"] is wrapper and calls  # the wrapper ran (inside the compiled layer) and is back
         assert "forward" not in vars(decoder_layers(model)[1])
@@ -95,7 +95,7 @@ def test_several_model_classes_stay_compiled(tiny_model):
             lambda module, args: None if torch.compiler.is_compiling() else eager_calls.append(1))
         try:
             with LLMEngine(model, engine_config=config) as engine:
-                assert engine.runner.compile_error is None
+                assert engine.runner.compilation.compile_error is None
                 warm_up = len(eager_calls)
                 engine_greedy(engine, [[5, 6, 7]], [3])
         finally:

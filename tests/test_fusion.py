@@ -1,4 +1,4 @@
-"""Fused q|k|v and gate|up projections (``paged_transformers.fusion``, ``EngineConfig.fuse_projections``).
+"""Fused q|k|v and gate|up projections (``paged_transformers.compilation.fusion``, ``EngineConfig.fuse_projections``).
 
 References: stock ``model.generate()`` (fp32, CPU, each prompt alone) for the engine's greedy tokens; the
 unfused modules' own outputs and ``state_dict`` for the module swap; the generated code's count of
@@ -14,8 +14,8 @@ from conftest import engine_greedy, random_prompts, stock_greedy
 from torch import nn
 
 from paged_transformers import EngineConfig, LLMEngine
-from paged_transformers.compile import INDUCTOR_OPTIONS, decoder_layers
-from paged_transformers.fusion import (
+from paged_transformers.compilation.layers import INDUCTOR_OPTIONS, decoder_layers
+from paged_transformers.compilation.fusion import (
     COMPILE_OPTIONS,
     FusedLinearSlice,
     cse_projection_nodes,
@@ -55,8 +55,8 @@ def test_fused_compiled_engine_matches_stock_and_close_restores(tiny_model, arch
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=4)
     with LLMEngine(model, engine_config=config) as engine:
         runner = engine.runner
-        assert runner.compile_error is None and runner.fusion is not None
-        assert runner.fusion.num_fused == 2 * model.config.num_hidden_layers and not runner.fusion.skipped
+        assert runner.compilation.compile_error is None and runner.compilation.fusion is not None
+        assert runner.compilation.fusion.num_fused == 2 * model.config.num_hidden_layers and not runner.compilation.fusion.skipped
         assert all(isinstance(m, FusedLinearSlice) for m in _projections(model))
         _assert_state_equal(model, before)  # while fused: same keys, shapes and values
         got = engine_greedy(engine, prompts, max_tokens)
@@ -205,8 +205,8 @@ def test_compile_failure_unfuses(tiny_model, monkeypatch):
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
     engine = LLMEngine(model, engine_config=config)
     try:
-        assert "inductor says no" in engine.runner.compile_error
-        assert engine.runner.fusion is None
+        assert "inductor says no" in engine.runner.compilation.compile_error
+        assert engine.runner.compilation.fusion is None
         assert all(a is b for a, b in zip(_projections(model), mods))
         _assert_state_equal(model, before)
     finally:

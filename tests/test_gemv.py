@@ -1,4 +1,4 @@
-"""The batch-1 GEMV (``kernels.gemv``) and its routing into compiled layers (``paged_transformers.decode_linear``).
+"""The batch-1 GEMV (``kernels.gemv``) and its routing into compiled layers (``paged_transformers.compilation.gemv_routing``).
 
 References: ``gemv_ref`` (fp32 product, one rounding) for the kernel, which runs in Triton's interpreter without
 CUDA (tiny shapes); the original FX graph's own output and ``torch.nn.functional.linear`` for the routing pass.
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from paged_transformers import decode_linear  # noqa: E402
+from paged_transformers.compilation import gemv_routing  # noqa: E402
 from paged_transformers.kernels.gemv import DEFAULT_GEMV_CONFIG, WIDE_GEMV_CONFIG, GemvConfig, gemv, gemv_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,7 +112,7 @@ def test_route_linears_replaces_mm_and_addmm():
     gm, f, args = _traced(torch.bfloat16)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.mm.default in targets and torch.ops.aten.addmm.default in targets
-    assert decode_linear.route_linears(gm.graph, device_type="cpu") == 2
+    assert gemv_routing.route_linears(gm.graph, device_type="cpu") == 2
     gm.recompile()
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.paged_transformers.linear.default) == 2
@@ -122,9 +122,9 @@ def test_route_linears_replaces_mm_and_addmm():
 
 def test_route_linears_leaves_other_products():
     gm, _, _ = _traced(torch.float32)  # fp32 weights: cuBLAS / CPU as before
-    assert decode_linear.route_linears(gm.graph, device_type="cpu") == 0
+    assert gemv_routing.route_linears(gm.graph, device_type="cpu") == 0
     gm, _, _ = _traced(torch.bfloat16)
-    assert decode_linear.route_linears(gm.graph) == 0  # CPU weights, routing CUDA ones only
+    assert gemv_routing.route_linears(gm.graph) == 0  # CPU weights, routing CUDA ones only
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -134,7 +134,7 @@ def test_route_linears_leaves_other_products():
 
     args = [t.bfloat16() for t in (torch.randn(3, 8), torch.randn(6, 8), torch.randn(1), torch.randn(6, 16))]
     gm = make_fx(f)(*args)
-    assert decode_linear.route_linears(gm.graph, device_type="cpu") == 0
+    assert gemv_routing.route_linears(gm.graph, device_type="cpu") == 0
 
 
 @pytest.mark.parametrize("bias_shape", [(1,), (4,)])
@@ -157,11 +157,11 @@ def test_op_takes_the_gemv_for_one_row(N, K):
     assert torch.equal(torch.ops.paged_transformers.linear(x4, w, b), torch.nn.functional.linear(x4, w, b))
 
 
-class _RouteCPU(decode_linear.DecodeLinearPass):
+class _RouteCPU(gemv_routing.DecodeLinearPass):
     """The pass with CPU weights routed (on CPU the op runs ``F.linear``, so the output must not change)."""
 
     def __call__(self, graph):
-        _RouteCPU.replaced = decode_linear.route_linears(graph, device_type="cpu")
+        _RouteCPU.replaced = gemv_routing.route_linears(graph, device_type="cpu")
 
     def uuid(self) -> bytes:
         return super().uuid() + b"cpu"
@@ -173,7 +173,7 @@ def test_compiled_layer_routes_every_projection(arch):
     up, down) and gives the unrouted layer's output."""
     from conftest import make_tiny_model
 
-    from paged_transformers.compile import INDUCTOR_OPTIONS, decoder_layers
+    from paged_transformers.compilation.layers import INDUCTOR_OPTIONS, decoder_layers
 
     model = make_tiny_model(arch, 3).to(torch.bfloat16)
     layer = decoder_layers(model)[0]
@@ -199,7 +199,7 @@ def test_compiled_cuda_layer_runs_the_gemv_at_one_token():
     from conftest import make_tiny_model
     from torch._inductor.utils import run_and_get_code
 
-    from paged_transformers.compile import INDUCTOR_OPTIONS, decoder_layers
+    from paged_transformers.compilation.layers import INDUCTOR_OPTIONS, decoder_layers
 
     model = make_tiny_model("llama", 5, hidden_size=256, intermediate_size=512).to("cuda", torch.bfloat16)
     layer = decoder_layers(model)[0]

@@ -344,7 +344,7 @@ def test_compiled_layers_with_quant_linear_match_stock_generate():
     torch._dynamo.utils.counters.clear()
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
     with LLMEngine(model, engine_config=config) as engine:
-        assert engine.runner.compile_error is None
+        assert engine.runner.compilation.compile_error is None
         got = engine_greedy(engine, prompts, max_tokens)
     assert got == refs
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the layers ran through Dynamo

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams
-from paged_transformers.runner import ModelRunner, graph_batch_sizes
+from paged_transformers.compilation import Compilation, DecodeGraphs, graph_batch_sizes
+from paged_transformers.runner import ModelRunner
 
 from conftest import engine_greedy, make_tiny_model, random_prompts, stock_greedy
 
@@ -131,7 +132,8 @@ class _StandInGraph:
 
 def _graphed_run(monkeypatch, fail_at: int | None = None):
     """Six prompts of decreasing lengths (decode batches 6 down to 1) on an engine whose runner replays decode steps
-    from stand-in graphs (``graphs_enabled`` forced on CPU). ``fail_at``: the capture that raises (1-based).
+    from stand-in graphs (a ``Compilation`` with decode graphs given to the runner on CPU). ``fail_at``: the capture
+    that raises (1-based).
 
     Returns:
         ``(tokens, runner, captures)``: the new tokens per prompt, the runner (after close) and the bucket of
@@ -139,25 +141,26 @@ def _graphed_run(monkeypatch, fail_at: int | None = None):
     """
     captures = []
 
-    def record(self, args):
-        captures.append(args[0])  # the bucket: the dummy step's num_tokens
+    def record(self, forward):
         if len(captures) == fail_at:
             raise RuntimeError("operation not permitted when stream is capturing")
-        graph = _StandInGraph(lambda: self._forward(*args))
+        graph = _StandInGraph(forward)
         return graph, graph.logits
 
-    monkeypatch.setattr(ModelRunner, "_record_graph", record)
+    dummy_decode = ModelRunner._dummy_decode
+    monkeypatch.setattr(ModelRunner, "_dummy_decode", lambda self, size: captures.append(size) or dummy_decode(self, size))
+    monkeypatch.setattr(DecodeGraphs, "record", record)
     model = make_tiny_model("llama", seed=8)
     prompts = random_prompts(6, 3, 30, seed=8)
     lengths = [4 + 3 * i for i in range(len(prompts))]
     config = EngineConfig(max_num_seqs=8, attention_backend="torch", max_model_len=128)
     with LLMEngine(model, engine_config=config) as engine:
         runner = engine.runner
-        assert not runner.graphs_enabled and not runner.graphs  # CPU: off, and nothing captured at construction
-        runner.graphs_enabled, runner.graph_sizes = True, graph_batch_sizes(config.max_num_seqs)
+        assert runner.graphs is None  # CPU: off
+        runner.compilation = Compilation(model, runner.device, config.max_num_seqs, cuda_graphs=True)
         runner.record_steps = True
         got = engine_greedy(engine, prompts, lengths)
-        runner.captured = sorted(runner.graphs)  # read before close(), which frees the graphs
+        runner.captured = sorted(runner.graphs.graphs)  # read before close(), which frees the graphs
     assert got == [stock_greedy(model, p, n)[0] for p, n in zip(prompts, lengths)]
     return got, runner, captures
 
@@ -167,10 +170,10 @@ def test_decode_graphs_are_captured_at_their_first_step(monkeypatch):
     bucket 8; 4 and 3 bucket 4; then 2 and 1), and later decode steps of the bucket replay it; tokens equal stock."""
     _, runner, captures = _graphed_run(monkeypatch)
     assert captures == [8, 4, 2, 1]
-    assert runner.captured == [1, 2, 4, 8] and runner.graph_capture_error is None
+    assert runner.captured == [1, 2, 4, 8] and runner.graphs.capture_error is None
     graphed = [s.num_seqs for s in runner.steps if s.kind == "graph"]
     assert len(graphed) > len(captures) and set(graphed) == {1, 2, 3, 4, 5, 6}
-    assert not runner.graphs  # close() dropped them
+    assert not runner.graphs.graphs  # close() dropped them
 
 
 def test_a_failed_capture_leaves_the_runner_eager(monkeypatch):
@@ -178,8 +181,8 @@ def test_a_failed_capture_leaves_the_runner_eager(monkeypatch):
     step runs eagerly; tokens still equal stock."""
     _, runner, captures = _graphed_run(monkeypatch, fail_at=2)
     assert captures == [8, 4]
-    assert not runner.graphs_enabled and runner.captured == []
-    assert "not permitted" in runner.graph_capture_error
+    assert not runner.graphs.enabled and runner.captured == []
+    assert "not permitted" in runner.graphs.capture_error
     first_eager_decode = next(i for i, s in enumerate(runner.steps) if s.kind == "eager" and s.num_seqs == 4)
     assert all(s.kind == "eager" for s in runner.steps[first_eager_decode:])
     assert any(s.kind == "graph" for s in runner.steps[:first_eager_decode])  # bucket 8 replayed before
@@ -205,14 +208,15 @@ def test_cuda_graph_decode_equals_eager():
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out.outputs[0].token_ids
-            buckets = sorted(engine.runner.graphs)  # read before close(), which frees the graphs
+            graphs = engine.runner.graphs
+            buckets = sorted(graphs.graphs) if graphs is not None else []  # read before close(), which frees them
             return done, engine.runner, buckets
 
     eager, eager_runner, eager_buckets = run(True)
     graphed, runner, buckets = run(False)
-    assert runner.graph_capture_error is None, runner.graph_capture_error
+    assert runner.graphs.capture_error is None, runner.graphs.capture_error
     assert not eager_buckets and buckets
-    assert not runner.graphs  # close() dropped them
+    assert not runner.graphs.graphs  # close() dropped them
     kinds = [s.kind for s in runner.steps]
     assert "graph" in kinds and "eager" in kinds, kinds
     assert all(s.kind == "eager" for s in eager_runner.steps)

@@ -59,7 +59,7 @@ def train_step(model, batch: torch.Tensor, optimizer) -> tuple[torch.Tensor, lis
 
 def model_is_stock(model) -> bool:
     """Detached: the model's own attention implementation, no hooks, no instance forwards, its own projections."""
-    from paged_transformers.fusion import FusedLinearSlice
+    from paged_transformers.compilation.fusion import FusedLinearSlice
 
     return (model.config._attn_implementation != ATTENTION_NAME and not model._forward_hooks
             and not model._forward_pre_hooks and not any("forward" in vars(m) for m in model.modules())
@@ -197,7 +197,7 @@ def test_sleep_wake_up_and_release():
 
     release(model)
     assert current_engine(model) is None and engine.closed and model_is_stock(model)
-    assert engine.stats().num_blocks == 0 and engine.cache.key_cache == [] and not engine.runner.graphs
+    assert engine.stats().num_blocks == 0 and engine.cache.key_cache == [] and engine.runner.graphs is None
     with pytest.raises(RuntimeError, match="closed"):
         engine.wake_up()
     release(model)  # no engine: a no-op
@@ -273,10 +273,10 @@ def test_compiled_fused_engine_between_calls(tmp_path):
     before = tokens(paged_generate(model, prompts, greedy(6), engine_config=config, use_tqdm=False))
     assert before == [stock_greedy(reference, p, 6)[0] for p in prompts]
     engine = current_engine(model)
-    assert engine.runner.compile_error is None and engine.runner.fusion.num_fused == 2 * model.config.num_hidden_layers
+    assert engine.runner.compilation.compile_error is None and engine.runner.compilation.fusion.num_fused == 2 * model.config.num_hidden_layers
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 2 and model_is_stock(model)
-    attn, fused = model.model.layers[0].self_attn, engine.runner.fusion.groups[0][2]
+    attn, fused = model.model.layers[0].self_attn, engine.runner.compilation.fusion.groups[0][2]
     assert all(p.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
                for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
 

@@ -113,8 +113,8 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
             kv_capacity_tokens=engine.cache.num_blocks * engine.cache.block_size,
             prefix_cache_hit_rate=_delta_rate(stats0, stats),
             num_preemptions=stats.num_preemptions - stats0.num_preemptions if stats else None,
-            cuda_graphs=sorted(runner.graphs),
-            cuda_graph_capture_error=runner.graph_capture_error,
+            cuda_graphs=sorted(runner.graphs.graphs) if runner.graphs is not None else [],
+            cuda_graph_capture_error=runner.graphs.capture_error if runner.graphs is not None else None,
             step_overhead=_step_overhead(walls, steps),
         )
         if batch1_context and device.type == "cuda":

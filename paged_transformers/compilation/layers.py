@@ -7,14 +7,14 @@ before and a graph after attention, and all layers of one class share those grap
 graph inputs). Inductor fuses the small ops between the projections -- RMSNorm's upcast / mean / rsqrt /
 scale, the rotary embedding's halves and concatenation, SiLU times the up projection, residual adds --
 into a few Triton kernels; the projections stay cuBLAS (or our W4A16 kernel) calls, except at batch 1, where
-``decode_linear.DecodeLinearPass`` routes them to our Triton GEMV. vLLM compiles its
+``gemv_routing.DecodeLinearPass`` routes them to our Triton GEMV. vLLM compiles its
 model definitions the same way, with the graph split at attention (its ``splitting_ops``). The rotary
 embeddings, the RMSNorms and the LM head outside the layers (``outer_modules``) are compiled the same way, one graph
 each.
 
 Inductor runs with ``combo_kernels`` (independent kernels of a graph horizontally fused into one launch: the rotary
 embeddings of q and of k become one kernel; H200, Llama-3-8B shape: 447 -> 415 kernels and -29 us of device time
-per batch-1 decode step, -115 us at batch 256, ``profile_decode.py --combo-kernels both``) and with
+per batch-1 decode step, -115 us at batch 256) and with
 ``emulate_precision_casts`` so that a fused kernel rounds to the model dtype where the
 eager code does (e.g. the bf16 output of SiLU before the multiply), keeping the numbers those of the
 eager model up to the order of floating-point reductions.
@@ -26,7 +26,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .decode_linear import DecodeLinearPass
+from .gemv_routing import DecodeLinearPass
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": DecodeLinearPass(),
                     "combo_kernels": True}
@@ -47,7 +47,7 @@ def tracing_settings() -> contextlib.ExitStack:
       step) nor tie it to the other dimensions of size 1, so one graph per layer piece serves every step shape.
       A Llama's layers, rotary embedding, norm and LM head trace 7 graphs instead of 14, which halves the Dynamo
       and Inductor time of the first engine in a process. The batch-1 projections still take the GEMV:
-      ``decode_linear.linear`` chooses at run time.
+      ``gemv_routing.linear`` chooses at run time.
     - ``recompile_limit`` of at least ``RECOMPILE_LIMIT`` (the NOTE above).
     """
     stack = contextlib.ExitStack()
@@ -76,7 +76,7 @@ def outer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     NOTE: eager, the first two are a dozen small kernels per step (the rotary cos/sin: a matmul, cos, sin, cat,
     scaling and casts; the norm: mean, rsqrt, multiplies and casts), about 20 us of each batch-1 decode step on an
     H200; compiled, one fused kernel each. The compiled LM head's matmul is routed like the layers' projections
-    (``decode_linear``): the Triton GEMV at one token (H200, 128256 x 4096: 237 vs 247 us for cuBLAS in
+    (``gemv_routing``): the Triton GEMV at one token (H200, 128256 x 4096: 237 vs 247 us for cuBLAS in
     ``bench_gemv.py``), cuBLAS otherwise.
     """
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}

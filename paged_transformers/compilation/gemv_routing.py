@@ -2,7 +2,7 @@
 
 Inside a compiled decoder layer every projection is ``aten.mm(x, permute(W, [1, 0]))`` (``addmm`` with a bias)
 on a weight ``W [N, K]`` that is a graph input. ``route_linears``, an Inductor post-grad pass that
-``compile.INDUCTOR_OPTIONS`` installs, replaces each product on an fp16/bf16 CUDA weight by the custom op
+``layers.INDUCTOR_OPTIONS`` installs, replaces each product on an fp16/bf16 CUDA weight by the custom op
 ``torch.ops.paged_transformers.linear(x, W, bias)``. The op chooses when it runs: one row of x takes the GEMV,
 anything else ``torch.nn.functional.linear`` (cuBLAS, what the ``mm`` would have run). Decode steps replay CUDA
 graphs, so the choice is made once, at capture, per batch-size bucket: the batch-1 graph holds GEMVs, the
@@ -23,11 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .kernels.gemv import gemv
-
-GEMV_ENABLED = True
-"""Whether ``paged_transformers.linear`` takes the GEMV for one row (benchmarks turn it off to time cuBLAS in
-the same engine; read when the op runs, i.e. when a decode graph is captured)."""
+from ..kernels.gemv import gemv
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -35,7 +31,7 @@ _HALF = (torch.float16, torch.bfloat16)
 @torch.library.custom_op("paged_transformers::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: the Triton GEMV (``kernels.gemv.gemv``) when ``x`` is one fp16/bf16 CUDA row
-    with unit stride along K, ``bias`` is None or contiguous ``[N]`` (and ``GEMV_ENABLED``), else
+    with unit stride along K and ``bias`` is None or contiguous ``[N]``, else
     ``torch.nn.functional.linear`` (which also takes a broadcasting bias).
 
     Args:
@@ -47,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Raises:
         RuntimeError / ValueError: as ``torch.nn.functional.linear`` for mismatched shapes or dtypes.
     """
-    if (GEMV_ENABLED and x.is_cuda and x.shape[0] == 1 and x.dtype in _HALF and weight.dtype == x.dtype
+    if (x.is_cuda and x.shape[0] == 1 and x.dtype in _HALF and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1
             and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()))):  # fmt: skip
         return gemv(x, weight, bias)
@@ -109,7 +105,7 @@ class DecodeLinearPass(CustomGraphPass):
         route_linears(graph)
 
     def uuid(self) -> bytes:
-        from .kernels import gemv as gemv_module
+        from ..kernels import gemv as gemv_module
 
         digest = hashlib.sha256()
         for path in (__file__, gemv_module.__file__):

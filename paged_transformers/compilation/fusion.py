@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from .compile import decoder_layers
-from .quantization.linear import QuantLinear
+from ..quantization.linear import QuantLinear
+from .layers import decoder_layers
 
 # (container attribute of a decoder layer, projection names fused together)
 PROJECTION_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
@@ -319,5 +319,5 @@ class ProjectionCSE(CustomGraphPass):
             return hashlib.sha256(f.read()).digest()
 
 
-# Inductor options the compiled layers need when projections are fused (merged with compile.INDUCTOR_OPTIONS)
+# Inductor options the compiled layers need when projections are fused (merged with layers.INDUCTOR_OPTIONS)
 COMPILE_OPTIONS = {"post_grad_custom_pre_pass": ProjectionCSE()}

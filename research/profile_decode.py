@@ -2,7 +2,7 @@
 
 Usage (GPU)::
 
-    python benchmarks/profile_decode.py --out benchmarks/results/profile_decode_h200.json
+    python research/profile_decode.py --out benchmarks/results/profile_decode_h200.json
 
 1. Llama-3-8B shape, random bf16 weights (``--quantization gptq|awq``: random 4-bit group-128 weights of that
    format), the engine's defaults (CUDA graphs on), once with the decoder
@@ -17,12 +17,9 @@ Usage (GPU)::
    step. With ``--fuse both``, a one-layer model of each ``--check-shapes`` is first checked alone
    (``fusion_check``): compiled with and without fusion, its Inductor code must call 4 instead of 7 GEMMs per graph, and both outputs must match the
    eager layer (bf16 tolerance) at 1 and 256 tokens.
-   E.g. ``python benchmarks/profile_decode.py --compile on --fuse both --out $OUT/fusion.json`` (~2 min).
-   ``--decode-gemv`` picks the batch-1 projections of the compiled layers: our Triton GEMV (``on``, the
-   engine's default, ``paged_transformers.decode_linear``), cuBLAS (``off``) or ``both``.
-   ``--combo-kernels on|off|both`` picks Inductor's ``combo_kernels`` (horizontal fusion of independent kernels,
-   e.g. the rotary embedding of q and of k, into one launch) for the compiled layers (``on``: the engine's default,
-   ``compile.INDUCTOR_OPTIONS``).
+   E.g. ``python research/profile_decode.py --compile on --fuse both --out $OUT/fusion.json`` (~2 min).
+   (The batch-1 GEMV against cuBLAS and Inductor's ``combo_kernels`` on and off were profiled with this script at
+   commit f457c60, ``--decode-gemv`` / ``--combo-kernels``; docs/benchmark-history.md has the numbers.)
 2. cuBLAS bf16 GEMV/GEMM times (``torch.matmul``, ``triton.testing.do_bench`` median, weights rotated over
    sets larger than L2) for the Llama-3-8B projections, separate and fused (q|k|v, gate|up), at M = 1
    and M = 256, as achieved bytes/s of the weight.
@@ -74,12 +71,12 @@ def fusion_check(shape: str = "llama-3-8b", tokens: tuple[int, ...] = (1, 256), 
     from torch._inductor.utils import run_and_get_code
 
     from paged_transformers.bench import MODEL_SHAPES
-    from paged_transformers.compile import INDUCTOR_OPTIONS, decoder_layers
-    from paged_transformers.fusion import (
+    from paged_transformers.compilation.fusion import (
         COMPILE_OPTIONS,
         fuse_projections,
         unfuse_projections,
     )
+    from paged_transformers.compilation.layers import INDUCTOR_OPTIONS, decoder_layers
 
     arch, fields = MODEL_SHAPES[shape]
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -125,10 +122,8 @@ def fusion_check(shape: str = "llama-3-8b", tokens: tuple[int, ...] = (1, 256), 
 
 
 def profile_engine(batches: list[int], context: int, steps: int, compile_layers: bool, fuse: bool | None = None,
-                   decode_gemv: bool = True, combo_kernels: bool = False, quantization: str | None = None) -> dict:
-    from paged_transformers import decode_linear
+                   quantization: str | None = None) -> dict:
     from paged_transformers.bench import build_model
-    from paged_transformers.compile import INDUCTOR_OPTIONS
     from paged_transformers.config import EngineConfig
     from paged_transformers.engine import LLMEngine
     from paged_transformers.sampling_params import SamplingParams
@@ -137,15 +132,14 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     model.generation_config.eos_token_id = None
     t0 = time.perf_counter()
     torch._dynamo.utils.counters.clear()
-    decode_linear.GEMV_ENABLED = decode_gemv  # read when the batch-1 graph is captured (engine start)
-    INDUCTOR_OPTIONS["combo_kernels"] = combo_kernels  # read when the layers are compiled (engine start)
     engine = LLMEngine(model, engine_config=EngineConfig(max_model_len=2048, compile_layers=compile_layers,
                                                          fuse_projections=fuse))
-    fusion = getattr(engine.runner, "fusion", None)
+    compilation = engine.runner.compilation
+    fusion = compilation.fusion if compilation is not None else None
     # graphs Dynamo made for the layers: the same with and without fusion unless the fused modules made
     # it recompile per layer (which past the recompile limit would leave layers eager)
-    out = {"init_s": time.perf_counter() - t0, "compiled_layers": len(engine.runner.compiled_layers),
-           "compile_error": engine.runner.compile_error, "fused_groups": fusion.num_fused if fusion else 0,
+    out = {"init_s": time.perf_counter() - t0, "compiled_layers": len(compilation.modules) if compilation else 0,
+           "compile_error": compilation.compile_error if compilation else None, "fused_groups": fusion.num_fused if fusion else 0,
            "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -179,7 +173,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
             engine.step()
         walls.sort()
         out[f"batch{B}"] = {"context": context, "steps": steps, "wall_ms_p50_synced": walls[len(walls) // 2] * 1e3,
-                           "wall_ms_p50_plain": nosync_ms, "graphs": sorted(engine.runner.graphs),
+                           "wall_ms_p50_plain": nosync_ms, "graphs": sorted(engine.runner.graphs.graphs) if engine.runner.graphs else [],
                            "gemm": gemm_summary(prof, steps), "kernels": kernel_table(prof, steps)}
     # one prefill step: 8 prompts of 1024 tokens = the 8192-token budget
     for i in range(8):
@@ -196,8 +190,6 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
     out["prefill8x1024"] = {"wall_ms_p50_synced": wall * 1e3, "wall_ms_p50_plain": float("nan"),
                             "gemm": gemm_summary(prof, 1), "kernels": kernel_table(prof, 1)}
     engine.close()
-    decode_linear.GEMV_ENABLED = True
-    INDUCTOR_OPTIONS["combo_kernels"] = True
     del engine, model
     gc.collect()  # the engine holds reference cycles (scheduler -> engine callbacks)
     torch._dynamo.reset()
@@ -235,12 +227,6 @@ def main() -> None:
     ap.add_argument("--compile", choices=["on", "off", "both"], default="both")
     ap.add_argument("--fuse", choices=["on", "off", "both"], default="on",
                     help="fused q|k|v and gate|up in the compiled layers (ignored for compile off)")
-    ap.add_argument("--decode-gemv", choices=["on", "off", "both"], default="on",
-                    help="batch-1 projections of the compiled layers on our Triton GEMV (on, the engine's default) or "
-                         "cuBLAS (off); both: profile the compiled engine each way")
-    ap.add_argument("--combo-kernels", choices=["on", "off", "both"], default="on",
-                    help="Inductor's combo_kernels (horizontal fusion of independent kernels into one launch, e.g. "
-                         "the rotary embedding of q and of k) in the compiled layers: on (the engine's default), off, both")
     ap.add_argument("--check-shapes", nargs="*", default=["llama-3-8b"],
                     help="with --fuse both: one-layer models checked by fusion_check first (e.g. llama-3-8b qwen2.5-7b)")
     ap.add_argument("--gemv", action="store_true", help="also time the cuBLAS projections (part 2)")
@@ -267,17 +253,11 @@ def main() -> None:
               f"(|ref| max {check['ref_max_abs']:.3g}): {'OK' if check['ok'] else 'FAILED'}")
     report["engine"] = {}
     fuses = {"on": [True], "off": [False], "both": [True, False]}[args.fuse]
-    gemvs = {"on": [True], "off": [False], "both": [True, False]}[args.decode_gemv]
-    combos = {"on": [True], "off": [False], "both": [True, False]}[args.combo_kernels]
-    modes = [(c, f if c else False, gv if c else False, cb if c else False)
-             for c in {"on": [True], "off": [False], "both": [True, False]}[args.compile]
-             for f in (fuses if c else [False]) for gv in (gemvs if c else [False])
-             for cb in (combos if c else [False])]
-    for m, fuse, gv, cb in modes:
-        mode = f"compile_{'on' if m else 'off'}" + (
-            f"_fuse_{'on' if fuse else 'off'}_gemv_{'on' if gv else 'off'}"
-            + ("" if cb else "_nocombo") if m else "")
-        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse, gv, cb,
+    modes = [(c, f if c else False) for c in {"on": [True], "off": [False], "both": [True, False]}[args.compile]
+             for f in (fuses if c else [False])]
+    for m, fuse in modes:
+        mode = f"compile_{'on' if m else 'off'}" + (f"_fuse_{'on' if fuse else 'off'}" if m else "")
+        cases = report["engine"][mode] = profile_engine(args.batches, args.context, args.steps, m, fuse,
                                                         args.quantization)
         if args.out:
             with open(args.out, "w") as f:
