@@ -2,7 +2,8 @@
 preemption by recompute, and the pool after each step.
 
 Each step is simulated: ``schedule()``, then ``update_from_output`` with a made-up token for every
-sequence that catches up. ``check_stop`` ends a sequence after ``max_tokens`` outputs. The expected
+sequence that catches up (a ``ModelRunnerOutput``), and a sequence ends after ``max_tokens`` outputs (as
+the output processor ends it: ``Scheduler.finish``). The expected
 plans are written out by hand from the rules in the scheduler's module docstring (vLLM V1's).
 """
 
@@ -12,6 +13,7 @@ import pytest
 
 from paged_transformers.block_manager import BlockManager
 from paged_transformers.config import EngineConfig
+from paged_transformers.messages import ModelRunnerOutput
 from paged_transformers.sampling_params import SamplingParams
 from paged_transformers.scheduler import Scheduler
 from paged_transformers.sequence import Sequence, SequenceStatus
@@ -19,13 +21,7 @@ from paged_transformers.sequence import Sequence, SequenceStatus
 
 def make_scheduler(num_blocks: int, block_size: int = 4, **config) -> Scheduler:
     config.setdefault("enable_prefix_caching", False)
-
-    def check_stop(seq: Sequence):
-        if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    return Scheduler(EngineConfig(block_size=block_size, **config), BlockManager(num_blocks, block_size), check_stop)
+    return Scheduler(EngineConfig(block_size=block_size, **config), BlockManager(num_blocks, block_size), max_model_len=4096)
 
 
 def add(scheduler: Scheduler, prompt_len: int, max_tokens: int, name: str = "r") -> Sequence:
@@ -38,8 +34,10 @@ def step(scheduler: Scheduler):
     """One simulated step; returns the plan as ``[(request_id, num_tokens, samples)]`` and the plan."""
     out = scheduler.schedule()
     plan = [(seq.request_id, n, out.samples(i)) for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens))]
-    sampled = {seq.seq_id: 7 for i, seq in enumerate(out.seqs) if out.samples(i)}
-    scheduler.update_from_output(out, sampled)
+    sampled = {seq_id: 7 for seq_id in out.sampled_seq_ids}
+    for seq in scheduler.update_from_output(out, ModelRunnerOutput(sampled, {}, {})):
+        if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+            scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
     return plan, out
 
 
@@ -115,7 +113,7 @@ def test_preempts_the_most_recent_and_resumes_by_recompute():
     # Each now has 9 tokens and needs a third block: a preempts c (the most recent), b takes c's blocks.
     plan, out = step(s)
     assert plan == [("a", 1, True), ("b", 1, True)]
-    assert out.preempted == [c] and c.num_preemptions == 1 and c.num_computed_tokens == 0
+    assert out.preempted_seq_ids == (c.seq_id,) and c.num_preemptions == 1 and c.num_computed_tokens == 0
     assert list(s.waiting) == [c] and c.seq_id not in s.block_manager.block_tables
     assert c.output_token_ids == [7]  # its sampled token is kept: the recompute covers prompt + outputs
     check_pool(s)
@@ -165,7 +163,7 @@ def test_random_workload_invariants(seed):
         if not pending and not s.has_unfinished():
             break
         plan, out = step(s)
-        preemptions += len(out.preempted)
+        preemptions += len(out.preempted_seq_ids)
         assert sum(n for _, n, _ in plan) <= config["max_num_batched_tokens"]
         assert len(s.running) <= config["max_num_seqs"]
         assert len({r for r, _, _ in plan}) == len(plan)
