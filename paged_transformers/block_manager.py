@@ -224,21 +224,19 @@ class BlockManager:
         """
         # NOTE: called for every running sequence at every step, so this is written for the decode case
         # (one token into a block the sequence already owns): locals, no generator expressions.
-        block_size = self.block_size
         table = self.block_tables.get(seq_id)
         new_table = not table
         if new_table:
             table = list(cached_blocks)
         else:
             assert not cached_blocks, f"seq {seq_id} already holds blocks; hits are for new sequences"
-        assert len(table) * block_size >= num_computed_tokens, (
+        assert len(table) * self.block_size >= num_computed_tokens, (
             f"seq {seq_id}: {num_computed_tokens} computed tokens but {len(table)} blocks"
         )
         num_new_blocks, to_copy = self._slots_needed(table, num_computed_tokens, num_new_tokens)
         if not num_new_blocks and not to_copy and not new_table:
             return []  # the tokens land in private blocks the sequence holds: nothing to do
-        ref_cnt = self.ref_cnt
-        num_free_hits = sum(1 for b in cached_blocks if ref_cnt[b] == 0) if cached_blocks else 0
+        num_free_hits = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0) if cached_blocks else 0
         if num_new_blocks + len(to_copy) > len(self.free_blocks) - num_free_hits:
             return None
         for block_id in cached_blocks:

@@ -61,6 +61,11 @@ class InputBatch:
         self.fork_rows: list[int] | None = None  # the step's logits rows gathered for its forks (``prepare``)
         self.staged: torch.cuda.Event | None = None  # recorded after prepare's host-to-device copies
 
+    def device_buffers(self) -> dict[str, torch.Tensor]:
+        """The device tensors a forward reads, by name: the first rows of each are the prepared step's."""
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices", "block_tables")
+        return {name: getattr(self, name) for name in names}
+
     # -- the persistent block tables --------------------------------------------------------------
     def update(self, plan: SchedulerOutput) -> None:
         """Apply ``plan``'s diffs to the block tables, once per plan (plans come in ``step_id`` order)."""

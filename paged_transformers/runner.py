@@ -150,9 +150,7 @@ class ModelRunner:
         self.max_num_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_num_blocks_per_seq = -(-max_model_len // cache.block_size)
         self.batch = InputBatch(self.max_num_tokens, max_num_seqs, self.max_num_blocks_per_seq, cache.block_size, self.device)
-        # the device buffers the forward reads (the batch's own tensors)
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices", "block_tables"):
-            setattr(self, name, getattr(self.batch, name))
+        vars(self).update(self.batch.device_buffers())  # the forward reads the batch's tensors: self.input_ids, ...
 
         # a backend that reads metadata on the host (.tolist(), int(...)) cannot be captured; unmarked: assume it does
         self.graphs_enabled = (bool(use_cuda_graphs) and self.device.type == "cuda"

@@ -173,3 +173,28 @@ def test_random_workload_invariants(seed):
     assert all(seq.is_finished and seq.num_output_tokens == seq.sampling_params.max_tokens for seq in seqs)
     assert preemptions > 0, "the workload should be tight enough to preempt"
     assert s.block_manager.num_free_blocks == num_blocks
+
+
+def test_plans_advance_at_schedule_time_and_schedule_ahead_counts_placeholders():
+    """A plan advances num_computed_tokens and counts each sampled token as a placeholder; the next plan can be
+    made before the tokens are known (one decode token per sequence, ids unknown, only new blocks in the
+    entries) unless a sequence would stop by length with its token; update_from_output fills the placeholders."""
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
+    a, b = add(s, 4, 3, "a"), add(s, 6, 2, "b")
+    first = s.schedule()
+    assert [(e.num_computed_tokens, e.num_scheduled_tokens, e.samples, e.replace_table) for e in first.seqs] == [
+        (0, 4, True, True), (0, 6, True, True)]
+    assert [len(e.new_block_ids) for e in first.seqs] == [1, 2] and first.sampled_seq_ids == [a.seq_id, b.seq_id]
+    assert (a.num_computed_tokens, a.num_output_placeholders, b.num_computed_tokens) == (4, 1, 6)
+    ahead = s.schedule_ahead()
+    assert [(e.num_computed_tokens, e.num_scheduled_tokens, e.token_ids) for e in ahead.seqs] == [(4, 1, ()), (6, 1, ())]
+    # a's position 4 opens a second block, b's position 6 lands in the block it holds
+    assert [(len(e.new_block_ids), e.replace_table) for e in ahead.seqs] == [(1, False), (0, False)]
+    assert s.block_manager.block_tables[a.seq_id][1:] == list(ahead.seqs[0].new_block_ids)
+    assert (a.num_output_placeholders, b.num_output_placeholders) == (2, 2)
+    assert s.update_from_output(first, ModelRunnerOutput({a.seq_id: 7, b.seq_id: 8}, {}, {})) == [a, b]
+    assert (a.output_token_ids, b.output_token_ids, a.num_output_placeholders) == ([7], [8], 1)
+    assert s.schedule_ahead() is None  # b's next token is its 2nd and last (max_tokens=2)
+    s.update_from_output(ahead, ModelRunnerOutput({a.seq_id: 9}, {}, {b.seq_id: ValueError("row failed")}))
+    assert a.output_token_ids == [7, 9] and b.status == SequenceStatus.FINISHED_ABORTED and str(b.error) == "row failed"
+    assert s.schedule().finished_seq_ids == (b.seq_id,)  # the runner hears of it with the next plan
