@@ -64,7 +64,7 @@ class EngineLifecycle:
         self.runner.attach()
         eos = eos_token_ids(self.model, self.tokenizer)
         if eos != self.eos_token_ids:
-            self.eos_token_ids.clear()  # in place: the sampler shares the set
+            self.eos_token_ids.clear()  # in place: the sampler and the output processor share the set
             self.eos_token_ids.update(eos)
         if change is WeightsChange.UPDATED and not self.reset_prefix_cache():
             logger.warning("the weights changed (%s) while requests hold KV blocks: their K/V is from the old weights, "
@@ -184,6 +184,8 @@ def check_loaded_model(model) -> None:
     if isinstance(model, (str, os.PathLike)):
         hint = f"; load it first: model = paged_transformers.load_model({os.fspath(model)!r})"
     raise ValueError(f"model must be a loaded transformers model (a torch.nn.Module), got {type(model).__name__} {model!r}{hint}")
+
+
 def check_not_attached(model: torch.nn.Module) -> None:
     """Raises ValueError when an engine is attached to ``model`` (its attn_implementation is ours)."""
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME:
