@@ -111,7 +111,7 @@ def time_batch(engine, vocab: int, batch: int, context: int, steps: int, phases:
     while True:  # prefill (chunks at large B), then every sequence decodes
         engine.step()
         seqs = engine.scheduler.running
-        if len(seqs) == batch and all(s.num_computed_tokens + 1 == s.num_tokens for s in seqs):
+        if len(seqs) == batch and all(s.num_computed_tokens + 1 == s.num_tokens + s.num_output_placeholders for s in seqs):
             break
     out = {"batch": batch, "context": context, "steps": steps, "phases": []}
     runner = engine.runner

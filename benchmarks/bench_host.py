@@ -11,7 +11,8 @@ into phases (medians over the measured steps) by wrapping the engine's methods o
     execute    the rest of ModelRunner.execute (copy-on-write, bucket choice, logits .float())
     sample     Sampler.sample_tokens (Sampler.sample before it existed): the host part (parameter lists, results) plus the vocab-wide argmax /
                softmax / multinomial, which is device work on a GPU but runs on this CPU here
-    update     Scheduler.update_from_output (append tokens, stop checks, freeing, prefix-cache hashing)
+    update     Scheduler.update_from_output (append tokens, prefix-cache hashing) and the OutputProcessor (stop checks,
+               freeing, RequestOutputs)
     other      the rest of LLMEngine.step: metrics, sampled-token bookkeeping, building RequestOutputs
 
 ``host`` = step - forward - sample_compute, where ``sample_compute`` is the measured time of the sampler's
@@ -144,6 +145,8 @@ def measure(workload: str, args) -> dict:
     for name in ("launch", "collect") if hasattr(engine.sampler, "launch") else ("sample_tokens",):
         _wrap(engine.sampler, name, totals, "sample")
     _wrap(engine.scheduler, "update_from_output", totals, "update")
+    for name in ("check_stops", "make_outputs"):  # the output processor's stop checks and outputs
+        _wrap(engine.output_processor, name, totals, "update")
 
     last_logits = {}
     forward = engine.runner._forward
@@ -164,7 +167,7 @@ def measure(workload: str, args) -> dict:
         seqs = list(engine.scheduler.running)
         running = len(seqs)
         decode = running == args.num_requests and not engine.scheduler.waiting and all(
-            s.num_computed_tokens == s.num_tokens - 1 for s in engine.scheduler.running)
+            s.num_computed_tokens == s.num_tokens - 1 + s.num_output_placeholders for s in engine.scheduler.running)
         measured = decode and engine.scheduler.running[0].num_output_tokens >= args.warmup
         if measured and profiler is not None:
             profiler.enable()

@@ -224,28 +224,19 @@ class BlockManager:
         """
         # NOTE: called for every running sequence at every step, so this is written for the decode case
         # (one token into a block the sequence already owns): locals, no generator expressions.
-        block_size = self.block_size
         table = self.block_tables.get(seq_id)
         new_table = not table
         if new_table:
             table = list(cached_blocks)
         else:
             assert not cached_blocks, f"seq {seq_id} already holds blocks; hits are for new sequences"
-        assert len(table) * block_size >= num_computed_tokens, (
+        assert len(table) * self.block_size >= num_computed_tokens, (
             f"seq {seq_id}: {num_computed_tokens} computed tokens but {len(table)} blocks"
         )
-        needed = -(-(num_computed_tokens + num_new_tokens) // block_size)
-        num_new_blocks = needed - len(table)
-        ref_cnt, block_hash = self.ref_cnt, self.block_hash
-        to_copy = []
-        for i in range(num_computed_tokens // block_size, min(needed, len(table))):
-            block_id = table[i]
-            if ref_cnt[block_id] > 1 or block_hash[block_id] is not None:
-                to_copy.append(i)
-        if num_new_blocks <= 0 and not to_copy and not new_table:
+        num_new_blocks, to_copy = self._slots_needed(table, num_computed_tokens, num_new_tokens)
+        if not num_new_blocks and not to_copy and not new_table:
             return []  # the tokens land in private blocks the sequence holds: nothing to do
-        num_new_blocks = max(0, num_new_blocks)
-        num_free_hits = sum(1 for b in cached_blocks if ref_cnt[b] == 0) if cached_blocks else 0
+        num_free_hits = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0) if cached_blocks else 0
         if num_new_blocks + len(to_copy) > len(self.free_blocks) - num_free_hits:
             return None
         for block_id in cached_blocks:
@@ -260,6 +251,25 @@ class BlockManager:
             table.extend(self._take() for _ in range(num_new_blocks))
         self.block_tables[seq_id] = table
         return copies
+
+    def _slots_needed(self, table: list[int], num_computed_tokens: int, num_new_tokens: int) -> tuple[int, list[int]]:
+        """``(new blocks, indices of table entries to copy)`` for writing the tokens (``allocate_slots``'s rule):
+        blocks past the table, and the shared or cached blocks the new tokens land in."""
+        block_size = self.block_size
+        needed = -(-(num_computed_tokens + num_new_tokens) // block_size)
+        ref_cnt, block_hash = self.ref_cnt, self.block_hash
+        to_copy = []
+        for i in range(num_computed_tokens // block_size, min(needed, len(table))):
+            block_id = table[i]
+            if ref_cnt[block_id] > 1 or block_hash[block_id] is not None:
+                to_copy.append(i)
+        return max(0, needed - len(table)), to_copy
+
+    def num_blocks_needed(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Free blocks ``allocate_slots(seq_id, num_computed_tokens, num_new_tokens)`` would take (new blocks and
+        copy-on-write copies), without taking them: with at most ``num_free_blocks`` in all, every call succeeds."""
+        num_new_blocks, to_copy = self._slots_needed(self.block_tables.get(seq_id, []), num_computed_tokens, num_new_tokens)
+        return num_new_blocks + len(to_copy)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Give ``child_seq_id`` the parent's blocks by reference (no copy; ref counts go up).
@@ -286,7 +296,6 @@ class BlockManager:
         del table[num_blocks:]
         if seq_id in self.num_hashed_blocks:
             self.num_hashed_blocks[seq_id] = min(self.num_hashed_blocks[seq_id], num_blocks)
-
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's block table, tail first; blocks no one else holds join the free queue."""

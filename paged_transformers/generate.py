@@ -9,7 +9,7 @@ from .config import EngineConfig
 from .engine import LLMEngine, check_loaded_model
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-from .streaming import run_engine
+from .engine import run_engine
 from .warm import attached_engine
 
 
@@ -109,7 +109,7 @@ def run_to_completion(
     stopping_criteria: dict | None = None,
 ) -> list[RequestOutput]:
     """Validate every prompt, queue them all on ``engine`` and step until each has finished
-    (``stopping_criteria``: per request id, as in ``streaming.run_engine``).
+    (``stopping_criteria``: per request id, as in ``engine.run_engine``).
 
     Returns:
         One ``RequestOutput`` per prompt, in input order; ``request_id`` is the prompt's index.

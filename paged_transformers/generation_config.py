@@ -9,7 +9,7 @@ that request's history ``[1, num_tokens]`` (prompt + output, no padding). Then t
 the argmax (``do_sample=False``) or draws from ``softmax(scores)`` (``do_sample=True``), which is what
 ``generate()`` does after its processors. Stopping criteria other than max length and EOS (e.g.
 ``stop_strings``, ``max_time``, a user's ``StoppingCriteria``) run per request on the same history, in the driver
-loop (``streaming.run_engine``), as ``criterion(input_ids [1, num_tokens], None)``.
+loop (``engine.run_engine``), as ``criterion(input_ids [1, num_tokens], None)``.
 
 Processors and per-request state: one ``LogitsProcessor`` instance given by the caller is shared by
 every request (fine for stateless ones). For a stateful processor, wrap a factory in ``PerRequest``:

@@ -1,11 +1,7 @@
 """Turns a ``SchedulerOutput`` into one ragged, unpadded batch and runs the unmodified model forward.
 
-Step overhead is what decides throughput once the kernels are fast, so the runner keeps every step's
-metadata in buffers allocated once (vLLM's persistent input buffers; nano-vllm's ``prepare_decode``):
-
-    host (pinned, numpy views)  --one non_blocking copy per field-->  device buffers (max sizes)
-
-and builds them with numpy over whole arrays instead of Python loops over tokens. Decode-only steps
+The step's metadata lives in buffers allocated once, next to the running sequences' block tables, which
+the plans update by diffs (``input_batch.InputBatch``). Decode-only steps
 (every sequence one token, every sequence sampled) replay a CUDA graph of their batch-size bucket on those
 same static buffers, captured the first time a decode step of that bucket runs; mixed and prefill steps run
 eagerly (``compilation/cuda_graphs.py``).
@@ -16,18 +12,17 @@ The compiled layers, fused projections and decode graphs are the runner's ``comp
 """
 
 import contextlib
-import itertools
 import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata
 from .cache import PagedCache
-from .scheduler import SchedulerOutput
+from .input_batch import InputBatch
+from .messages import SchedulerOutput
 from .weights import WeightsChange
 
 logger = logging.getLogger(__name__)
@@ -134,8 +129,8 @@ class ModelRunner:
         # a decode step has num_seqs tokens, so the token buffers must hold the largest graph bucket too
         self.max_num_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_num_blocks_per_seq = -(-max_model_len // cache.block_size)
-        self._alloc_buffers()
-        self._staged: torch.cuda.Event | None = None  # recorded after prepare's host-to-device copies
+        self.batch = InputBatch(self.max_num_tokens, max_num_seqs, self.max_num_blocks_per_seq, cache.block_size, self.device)
+        vars(self).update(self.batch.device_buffers())  # the forward reads the batch's tensors: self.input_ids, ...
 
         # a backend that reads metadata on the host (.tolist(), int(...)) cannot be captured; unmarked: assume it does
         graphs_on = (bool(use_cuda_graphs) and self.device.type == "cuda"
@@ -168,107 +163,15 @@ class ModelRunner:
         """The ``compilation.DecodeGraphs``, or None when decode steps run eagerly."""
         return self.compilation.graphs if self.compilation is not None else None
 
-    # -- buffers ----------------------------------------------------------------------------------
-    def _alloc_buffers(self) -> None:
-        """Pinned host staging (with numpy views) and device buffers of the maximum step sizes."""
-        pin = self.device.type == "cuda"
-        T, S, W = self.max_num_tokens, self.max_num_seqs, self.max_num_blocks_per_seq
-
-        def pair(shape, dtype):
-            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            return host, host.numpy(), torch.zeros(shape, dtype=dtype, device=self.device)
-
-        self.input_ids_h, self.input_ids_np, self.input_ids = pair((T,), torch.int64)
-        self.positions_h, self.positions_np, self.positions = pair((T,), torch.int64)
-        self.slot_mapping_h, self.slot_mapping_np, self.slot_mapping = pair((T,), torch.int64)
-        self.seq_lens_h, self.seq_lens_np, self.seq_lens = pair((S,), torch.int32)
-        self.query_start_loc_h, self.query_start_loc_np, self.query_start_loc = pair((S + 1,), torch.int32)
-        self.logits_indices_h, self.logits_indices_np, self.logits_indices = pair((T,), torch.int64)
-        # block tables: host staging is compact [num_seqs, width] for the step's width; device is full width
-        self.block_tables_h, self.block_tables_np, _ = pair((S * W,), torch.int32)
-        self.block_tables = torch.zeros((S, W), dtype=torch.int32, device=self.device)
-
-    def _copy(self, host: torch.Tensor, dev: torch.Tensor, n: int) -> None:
-        dev[:n].copy_(host[:n], non_blocking=True)
-
-    # -- building a step --------------------------------------------------------------------------
+    # -- building a step (input_batch.py) ---------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, pad_to: int | None = None) -> tuple[int, int, int, int]:
-        """Fill the device buffers for ``out``; with ``pad_to`` (a decode step), pad it to that many rows.
+        """Fill the device buffers for ``out`` (``InputBatch.prepare``); with ``pad_to`` (a decode step), pad it
+        to that many rows.
 
         Returns:
             ``(num_tokens, num_sampled, max_query_len, max_seq_len)`` of the (padded) step.
         """
-        # NOTE(async scheduling): the previous step's non-blocking copies read the pinned staging buffers
-        # until they have run; with a step still in flight, wait for them before writing the buffers again.
-        if self._staged is not None:
-            self._staged.synchronize()
-            self._staged = None
-        seqs = out.seqs
-        S = len(seqs)
-        counts = np.fromiter(out.num_scheduled_tokens, dtype=np.int64, count=S)
-        starts = np.fromiter([seq.num_computed_tokens for seq in seqs], dtype=np.int64, count=S)
-        T = int(counts.sum())
-        assert T <= self.max_num_tokens and S <= self.max_num_seqs, (T, S, self.max_num_tokens, self.max_num_seqs)
-        seq_lens = starts + counts
-        qsl = self.query_start_loc_np
-        qsl[0] = 0
-        np.cumsum(counts, out=qsl[1 : S + 1])
-
-        if T == S:  # every sequence one token: no slicing needed
-            self.input_ids_np[:T] = [seq.token_ids[s] for seq, s in zip(seqs, starts.tolist())]
-            positions = starts
-        else:
-            self.input_ids_np[:T] = list(itertools.chain.from_iterable(
-                seq.token_ids[s : s + n] for seq, s, n in zip(seqs, starts.tolist(), counts.tolist())
-            ))
-            # position of row r = r - (first row of its sequence) + (its sequence's num_computed_tokens)
-            positions = np.arange(T, dtype=np.int64) + np.repeat(starts - qsl[:S], counts)
-        self.positions_np[:T] = positions
-
-        block_size = self.cache.block_size
-        tables = self.cache.block_manager.block_tables
-        seq_tables = [tables[seq.seq_id] for seq in seqs]
-        lens = np.fromiter(map(len, seq_tables), dtype=np.int64, count=S)
-        width = int(lens.max())
-        assert width <= self.max_num_blocks_per_seq, (width, self.max_num_blocks_per_seq)
-        bt = self.block_tables_np[: S * width].reshape(S, width)
-        # NOTE: all tables in one pass (the entries flattened, then scattered to (row, column)) instead of
-        # one numpy assignment per sequence, whose fixed cost dominates at a few hundred sequences.
-        total = int(lens.sum())
-        flat = np.fromiter(itertools.chain.from_iterable(seq_tables), dtype=np.int32, count=total)
-        row_starts = np.arange(S, dtype=np.int64) * width
-        bt.reshape(-1)[np.arange(total, dtype=np.int64) + np.repeat(row_starts - (np.cumsum(lens) - lens), lens)] = flat
-        seq_index = np.repeat(np.arange(S), counts) if T != S else np.arange(S)
-        self.slot_mapping_np[:T] = bt[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        self.seq_lens_np[:S] = seq_lens
-
-        sampled = np.array(out.sample_mask, dtype=bool)
-        num_sampled = int(sampled.sum())
-        self.logits_indices_np[:num_sampled] = (qsl[1 : S + 1] - 1)[sampled]
-        max_query_len = int(counts.max())
-        max_seq_len = int(seq_lens.max())
-
-        rows, seqs_n = T, S
-        if pad_to is not None and pad_to > S:
-            assert T == S and num_sampled == S, "only decode steps are padded"
-            self.input_ids_np[S:pad_to] = 0
-            self.positions_np[S:pad_to] = 0
-            self.slot_mapping_np[S:pad_to] = -1
-            self.seq_lens_np[S:pad_to] = 1
-            qsl[S + 1 : pad_to + 1] = np.arange(S + 1, pad_to + 1)
-            self.logits_indices_np[S:pad_to] = np.arange(S, pad_to)
-            rows = seqs_n = num_sampled = pad_to
-
-        for host, dev in ((self.input_ids_h, self.input_ids), (self.positions_h, self.positions),
-                          (self.slot_mapping_h, self.slot_mapping), (self.logits_indices_h, self.logits_indices)):
-            self._copy(host, dev, rows if host is not self.logits_indices_h else num_sampled)
-        self._copy(self.seq_lens_h, self.seq_lens, seqs_n)
-        self._copy(self.query_start_loc_h, self.query_start_loc, seqs_n + 1)
-        self.block_tables[:S, :width].copy_(self.block_tables_h[: S * width].view(S, width), non_blocking=True)
-        if self.device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record()
-        return rows, num_sampled, max_query_len, max_seq_len
+        return self.batch.prepare(out, pad_to)
 
     def _forward(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int):
         """The model forward on the first rows of the device buffers. Returns logits ``[1, num_sampled, vocab]``."""
@@ -397,7 +300,8 @@ class ModelRunner:
     # -- a step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step. Returns float32 logits ``[num_sampled, vocab_size]``, rows in ``out.seqs`` order.
+        """Run one step. Returns float32 logits ``[len(out.sampled_seq_ids), vocab_size]``: the sampled rows in
+        ``out.seqs`` order, then a copy of its parent's row for each of ``out.forked``.
 
         Args:
             out: the step's plan.
@@ -427,6 +331,8 @@ class ModelRunner:
             logits = self.graphs.replay(bucket, S).float()
         else:
             logits = self._forward(T, S, num_sampled, max_query_len, max_seq_len)[0].float()
+        if self.batch.fork_rows is not None:  # n > 1 forks sample from copies of their parents' rows
+            logits = logits[torch.tensor(self.batch.fork_rows, device=logits.device)]
         if start is not None:
             end.record()
         if self.record_steps:

@@ -217,9 +217,11 @@ class Sampler:
 
     def _min_tokens_mask(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
         """``(rows, token ids)`` to set to -inf: EOS and ``stop_token_ids`` of each row whose sequence has
-        fewer than ``min_tokens`` outputs (host ints only)."""
+        fewer than ``min_tokens`` outputs before the sampled one (host ints only; the outputs of planned steps
+        not read yet count: ``num_output_placeholders``, this row's own included)."""
         active = [i for i, seq in enumerate(seqs)
-                  if len(seq.token_ids) - seq.num_prompt_tokens < seq.sampling_params.min_tokens]
+                  if len(seq.token_ids) - seq.num_prompt_tokens + max(seq.num_output_placeholders - 1, 0)
+                  < seq.sampling_params.min_tokens]
         banned_rows, banned_ids = [], []
         for i in active:
             sp = seqs[i].sampling_params

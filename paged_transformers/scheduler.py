@@ -14,48 +14,27 @@ first takes the longest run of cached full blocks matching its tokens and starts
 computed, so there are logits to sample from. After each step, blocks that became full are offered
 to the cache. A preempted sequence therefore resumes from its cached blocks unless they were evicted.
 
-n > 1 sampling: a request's first sequence carries the other ``n - 1`` in ``pending_forks``. When its
-prompt is done, ``update_from_output`` forks them: they take its blocks by reference (copy-on-write on
-the first write into the shared last block) and their own first token, sampled from the same logits
-row. Admission reserves their ``max_num_seqs`` seats up front.
+A plan is a message (``messages.SchedulerOutput``): per sequence the tokens to compute and its new
+blocks. Planning a step advances ``num_computed_tokens`` at once and counts the tokens that step samples
+as ``num_output_placeholders``; ``update_from_output`` appends the sampled tokens (a
+``messages.ModelRunnerOutput``, its only input), so the next plan can be made before they are known
+(``schedule_ahead``, async scheduling). Stop checks are not the scheduler's: the output processor reads
+the new tokens and ends sequences with ``finish``.
+
+n > 1 sampling: a request's first sequence carries the other ``n - 1`` in ``pending_forks``
+(``sequence.fan_out``). The step that samples its first token forks them: they take its blocks by
+reference (copy-on-write on the first write into the shared last block) and sample their own first
+token from a copy of its logits row. Admission reserves their ``max_num_seqs`` seats up front.
 """
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable
 
 from .block_manager import BlockCopy, BlockManager
 from .config import EngineConfig
+from .messages import ForkedSeq, ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from .prefix_cache import CacheStats, extend_block_hashes
-from .sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceStatus
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """One step's plan; the runner turns it into tensors, ``update_from_output`` applies the result."""
-
-    seqs: list[Sequence]  # scheduled sequences, in batch order
-    num_scheduled_tokens: list[int]  # seqs[i] computes tokens num_computed_tokens .. + num_scheduled_tokens[i]
-    block_copies: list[BlockCopy]  # copy-on-write copies to make before the forward
-    preempted: list[Sequence]  # sequences preempted while planning this step
-    # sample_mask[i]: seqs[i] catches up with its tokens this step, so its last row is sampled. Computed
-    # once at construction (when the sequences' num_computed_tokens are the step's) for the runner, the
-    # engine and update_from_output; pass None to have it computed.
-    sample_mask: list[bool] | None = None
-
-    def __post_init__(self):
-        if self.sample_mask is None:
-            mask = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(self.seqs, self.num_scheduled_tokens)]
-            object.__setattr__(self, "sample_mask", mask)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        """Tokens in the step; <= max_num_batched_tokens."""
-        return sum(self.num_scheduled_tokens)
-
-    def samples(self, i: int) -> bool:
-        """Whether ``seqs[i]`` catches up with its tokens this step, so its last row is sampled."""
-        return self.sample_mask[i]
+from .sampling import Sampler
+from .sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -65,44 +44,74 @@ class Scheduler:
         config: the engine limits (``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill,
             prefix caching).
         block_manager: the pool the scheduled sequences draw blocks from.
-        check_stop: called after a token is appended; returns the finished status or None.
+        max_model_len: longest sequence in tokens (``schedule_ahead`` plans no token past it).
     """
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        block_manager: BlockManager,
-        check_stop: Callable[[Sequence], SequenceStatus | None],
-    ):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.block_manager = block_manager
-        self.check_stop = check_stop
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}  # seq_id -> every unfinished sequence (pending forks included)
         self.stats = CacheStats(num_blocks=block_manager.num_blocks)  # request and preemption counters
+        self._finished_seq_ids: list[int] = []  # finished since the last plan that was not empty
+        self._step_id = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a request's first sequence; its ``pending_forks`` join when it samples its first token."""
+        self.seqs[seq.seq_id] = seq
+        for child in seq.pending_forks:
+            self.seqs[child.seq_id] = child
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step (see the module docstring)."""
+        """Plan the next step (see the module docstring) and advance the planned sequences."""
         budget = self.config.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        counts: list[int] = []
-        copies: list[BlockCopy] = []
+        entries: list[tuple[Sequence, int, int, list[BlockCopy]]] = []  # (seq, num_new, old table length, copies)
         preempted: list[Sequence] = []
+        budget = self._schedule_running(budget, entries, preempted)
+        if not preempted:  # NOTE: no admissions in a step that had to preempt: the pool is full.
+            self._schedule_waiting(budget, entries)
+        return self._make_plan(entries, preempted)
 
-        # NOTE: the loop below runs for every running sequence at every step: locals, and the block
-        # manager's own fast path for a decode token that lands in a block the sequence holds.
-        allocate_slots = self.block_manager.allocate_slots
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """Plan the next step while the last planned one is still being sampled (async scheduling), or None
+        when that plan could differ from the one ``schedule()`` makes after its tokens are read: some
+        sequence waits or is left out of that step, would stop by length with its token
+        (``Sequence.at_length_limit``), needs host work to sample (``Sampler.needs_host_work``), or the
+        pool lacks the blocks for every next token (``BlockManager.num_blocks_needed``: no preemption).
+        Each running sequence then computes one token: the one being sampled, whose id is on the device."""
+        running, bm = self.running, self.block_manager
+        if self.waiting or not running or len(running) > self.config.max_num_batched_tokens:
+            return None
+        num_blocks = 0
+        for seq in running:
+            if (seq.num_output_placeholders != 1 or seq.num_computed_tokens != seq.num_tokens
+                    or seq.at_length_limit(self.max_model_len, 1) or Sampler.needs_host_work(seq)):
+                return None
+            num_blocks += bm.num_blocks_needed(seq.seq_id, seq.num_computed_tokens, 1)
+        if num_blocks > bm.num_free_blocks:
+            return None
+        plan = self.schedule()
+        assert not plan.preempted_seq_ids and plan.total_num_scheduled_tokens == len(plan.seqs) == len(running), plan
+        return plan
+
+    def _schedule_running(self, budget: int, entries: list, preempted: list[Sequence]) -> int:
+        """Grant the running sequences their tokens in order, preempting from the back when the pool is
+        full. Returns the budget left."""
+        # NOTE: the loop runs for every running sequence at every step: locals, and the block manager's
+        # own fast path for a decode token that lands in a block the sequence holds.
+        allocate_slots, tables = self.block_manager.allocate_slots, self.block_manager.block_tables
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens, budget)
+            old_len = len(tables.get(seq.seq_id, ()))
             granted = allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             while granted is None:
                 victim = running.pop()
@@ -113,18 +122,18 @@ class Scheduler:
                 granted = allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             if granted is None:
                 break
-            seqs.append(seq)
-            counts.append(num_new)
-            if granted:
-                copies.extend(granted)
+            entries.append((seq, num_new, old_len, granted))
             budget -= num_new
             i += 1
+        return budget
 
-        # NOTE: no admissions in a step that had to preempt: the pool is full.
+    def _schedule_waiting(self, budget: int, entries: list) -> None:
+        """Admit waiting sequences in order while the budget, the seats and the pool allow."""
+        max_num_seqs = self.config.max_num_seqs
         seats = len(self.running) + sum(len(s.pending_forks) for s in self.running if s.pending_forks)  # n > 1: forks hold their seats early
-        while not preempted and self.waiting and budget > 0:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seats + 1 + len(seq.pending_forks) > self.config.max_num_seqs:
+            if seats + 1 + len(seq.pending_forks) > max_num_seqs:
                 break
             admitted = self._admit(seq, budget)
             if admitted is None:
@@ -133,18 +142,55 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            seqs.append(seq)
-            counts.append(num_new)
-            copies.extend(granted)
+            entries.append((seq, num_new, 0, granted))
             budget -= num_new
             seats += 1 + len(seq.pending_forks)
+        assert seats <= max_num_seqs, f"{seats} running sequences and forks > max_num_seqs"
 
-        out = SchedulerOutput(seqs, counts, copies, preempted)
-        assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, (
-            f"scheduled {out.total_num_scheduled_tokens} tokens over the budget {self.config.max_num_batched_tokens}"
-        )
-        assert seats <= self.config.max_num_seqs, f"{seats} running sequences and forks > max_num_seqs"
-        return out
+    def _make_plan(self, entries: list, preempted: list[Sequence]) -> SchedulerOutput:
+        """The plan of ``entries``; advances each sequence by its tokens (a sampled one gets a placeholder)
+        and forks the pending n > 1 sequences of the ones sampled for the first time."""
+        tables = self.block_manager.block_tables
+        seqs, forked, copies = [], [], []
+        for seq, num_new, old_len, granted in entries:
+            start = seq.num_computed_tokens
+            table = tables[seq.seq_id]
+            replace = not old_len or bool(granted)
+            samples = start + num_new == seq.num_tokens + seq.num_output_placeholders
+            seqs.append(ScheduledSeq(seq.seq_id, seq.request_id, start, num_new, tuple(seq.token_ids[start : start + num_new]),
+                                     tuple(table if replace else table[old_len:]), replace, samples))
+            copies += granted
+            seq.num_computed_tokens = start + num_new
+            if samples:
+                seq.num_output_placeholders += 1
+                if seq.pending_forks:
+                    forked += self._fork(seq)
+        assert sum(s.num_scheduled_tokens for s in seqs) <= self.config.max_num_batched_tokens, seqs
+        finished = ()
+        if seqs:  # an empty plan is not run: the runner hears of the finished sequences with the next one
+            finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
+        self._step_id += 1
+        return SchedulerOutput(self._step_id, tuple(seqs), tuple(forked), tuple(copies),
+                               tuple(s.seq_id for s in preempted), finished)
+
+    def _fork(self, parent: Sequence) -> list[ForkedSeq]:
+        """Start the n > 1 sequences of a parent whose first token this step samples: each takes its blocks
+        by reference and samples its own first token from a copy of the parent's logits row."""
+        forks, parent.pending_forks = parent.pending_forks, []
+        forked = []
+        for child in forks:
+            if child.is_finished:  # aborted
+                continue
+            assert child.num_tokens == parent.num_prompt_tokens == parent.num_computed_tokens, (child, parent)
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_output_placeholders = 1
+            child.block_hashes = list(parent.block_hashes)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+            forked.append(ForkedSeq(child.seq_id, child.request_id, parent.seq_id,
+                                    tuple(self.block_manager.block_tables[child.seq_id])))
+        return forked
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, list[BlockCopy]] | None:
         """Grant a waiting sequence its blocks (prefix-cache hits first). Returns (num_new, copies), or
@@ -172,6 +218,7 @@ class Scheduler:
         return num_new, granted
 
     def _preempt(self, seq: Sequence) -> None:
+        assert not seq.num_output_placeholders, f"{seq} preempted with a step being sampled"
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -179,127 +226,58 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Apply a finished step: advance ``num_computed_tokens``, cache full blocks, fork n > 1
-        sequences whose prompt is done, append sampled tokens, check stops.
-
-        Args:
-            out: the step's plan.
-            sampled: seq_id -> the token sampled for it, for each sequence that ``out.samples``, and
-                for the ``pending_forks`` of each of those whose prompt is done.
+    def update_from_output(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[Sequence]:
+        """Apply a step's results: cache the blocks that filled up, append each sampled token (and its
+        logprobs) in place of its placeholder, and end the rows that failed (``FINISHED_ABORTED``, with
+        the row's error). Sequences that finished meanwhile (aborted, stopped by an earlier step) are skipped.
 
         Returns:
-            The sequences that finished in this step; their blocks are already freed.
+            The sequences of ``plan``'s sampled rows that were unfinished, in row order (the output
+            processor's input: it checks their stops).
         """
-        finished = []
-        caching = self.config.enable_prefix_caching
-        bm = self.block_manager
-        block_size = bm.block_size
-        num_hashed = bm.num_hashed_blocks
-        for seq, num_new, samples in zip(out.seqs, out.num_scheduled_tokens, out.sample_mask):
-            forks = seq.pending_forks if samples else None
-            if forks:
-                seq.pending_forks = []
-            if seq.status.is_finished:  # aborted during the step, or its sampling failed
-                if forks:
-                    finished += self._start_forks(seq, forks, sampled)
+        seqs = self.seqs
+        if self.config.enable_prefix_caching:
+            for entry in plan.seqs:
+                seq = seqs.get(entry.seq_id)
+                if seq is not None:
+                    self._cache_blocks(seq)
+        updated = []
+        sampled, logprobs, errors = output.sampled_token_ids, output.logprobs, output.errors
+        for seq_id in plan.sampled_seq_ids:
+            seq = seqs.get(seq_id)
+            if seq is None:
                 continue
-            seq.num_computed_tokens += num_new
-            # only when a block filled up since the last offer (cache_full_blocks would do nothing else)
-            if caching and seq.num_computed_tokens // block_size > num_hashed.get(seq.seq_id, 0):
-                bm.cache_full_blocks(seq.seq_id, extend_block_hashes(seq.block_hashes, seq.token_ids, block_size),
-                                     seq.num_computed_tokens)
-            if forks:
-                finished += self._start_forks(seq, forks, sampled)
-            token_id = sampled.get(seq.seq_id)
-            if token_id is not None and self._append_token(seq, token_id):
-                finished.append(seq)
-        return finished
-
-    # -- async scheduling: update_from_output in two halves ------------------------------------------------
-    def advance(self, out: SchedulerOutput) -> None:
-        """The first half of ``update_from_output`` for a step whose sampled tokens are still on the device
-        (``LLMEngine.step`` pipelines the next step): advance ``num_computed_tokens``, cache full blocks,
-        and append ``PLACEHOLDER_TOKEN_ID`` to each sampled sequence, so that ``schedule()`` plans its
-        next decode token. ``replace_placeholders`` applies the tokens once they are on the host.
-
-        Every unfinished sequence of ``out`` must be sampled in it, and no sequence may have pending forks
-        (the engine pipelines only such steps). Blocks are hashed before the placeholder is appended, over
-        tokens that are all real (``num_computed_tokens == num_tokens``).
-        """
-        assert not any(seq.pending_forks for seq in out.seqs), out
-        self.update_from_output(out, {})  # no sampled tokens: advances and caches, appends nothing, stops nothing
-        for seq, samples in zip(out.seqs, out.sample_mask):
-            if seq.status.is_finished:  # aborted while the step ran
-                continue
-            assert samples and seq.token_ids[-1] != PLACEHOLDER_TOKEN_ID, seq
-            assert seq.num_computed_tokens == seq.num_tokens, (seq.num_computed_tokens, seq.num_tokens)
-            seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
-
-    def replace_placeholders(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """The second half of ``update_from_output`` after ``advance(out)``: put each sequence's sampled
-        token in place of its placeholder and check the stops.
-
-        Args:
-            out: the step's plan, given to ``advance`` before.
-            sampled: seq_id -> the token sampled for it (every unfinished sequence of ``out``).
-
-        Returns:
-            The sequences that finished; their blocks are already freed (a step still running on the
-            device may write into them: stream order puts that write before any later step's use).
-        """
-        finished = []
-        for seq in out.seqs:
-            if seq.status.is_finished:  # aborted while its step ran, or finished by an earlier step
-                continue
-            assert seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID, seq
-            seq.token_ids.pop()
-            if self._append_token(seq, sampled[seq.seq_id]):
-                finished.append(seq)
-        return finished
-
-    def _append_token(self, seq: Sequence, token_id: int) -> bool:
-        """Append a sampled token and check the stop conditions; True when the sequence finished (its
-        blocks are freed then)."""
-        seq.token_ids.append(token_id)
-        status = self.check_stop(seq)
-        if status is not None:
-            self.finish(seq, status)
-        return status is not None
-
-    def _start_forks(self, parent: Sequence, forks: list[Sequence], sampled: dict[int, int]) -> list[Sequence]:
-        """Start the n > 1 forks of a parent whose prompt was just computed. Each shares the parent's
-        blocks by reference and appends its own first token; if the parent no longer holds blocks
-        (its sampling failed), a fork waits to compute the prompt itself. Returns the forks that
-        finished at once."""
-        finished = []
-        for child in forks:
-            if child.is_finished:  # aborted, or its own sampling failed
-                continue
-            assert child.num_tokens == parent.num_prompt_tokens == parent.num_computed_tokens or parent.is_finished
-            if parent.is_finished:
-                child.num_computed_tokens = 0
-                self.waiting.appendleft(child)
+            seq.num_output_placeholders -= 1
+            if seq_id in errors:
+                seq.error = errors[seq_id]
+                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
             else:
-                self.block_manager.fork(parent.seq_id, child.seq_id)
-                child.num_computed_tokens = parent.num_computed_tokens
-                child.block_hashes = list(parent.block_hashes)
-                child.status = SequenceStatus.RUNNING
-                self.running.append(child)
-            if self._append_token(child, sampled[child.seq_id]):
-                finished.append(child)
-        return finished
+                seq.token_ids.append(sampled[seq_id])
+                if seq_id in logprobs:
+                    logprob, top_logprobs = logprobs[seq_id]
+                    seq.logprobs.append(top_logprobs)
+                    seq.cumulative_logprob += logprob
+            updated.append(seq)
+        return updated
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's full blocks of known tokens whose K/V is written (or being written by a
+        planned step, which runs first in stream order) to the prefix cache."""
+        bm = self.block_manager
+        num_tokens = min(seq.num_computed_tokens, len(seq.token_ids))
+        # only when a block filled up since the last offer (cache_full_blocks would do nothing else)
+        if num_tokens // bm.block_size > bm.num_hashed_blocks.get(seq.seq_id, 0):
+            bm.cache_full_blocks(seq.seq_id, extend_block_hashes(seq.block_hashes, seq.token_ids, bm.block_size), num_tokens)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a sequence (stop, length, abort or error) and free its blocks at once. A sequence ended while
-        it holds an async step's placeholder (``advance``; its sampling failed, or an abort) drops it: the
-        placeholder is never replaced then, and must not reach an output."""
+        """End a sequence (stop, length, abort or error) and free its blocks at once (a planned step still
+        running on the device may write into them: stream order puts that write before any later step's use)."""
         assert status.is_finished, status
         seq.status = status
-        if seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-            seq.token_ids.pop()
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq.seq_id)
+        if self.seqs.pop(seq.seq_id, None) is not None:
+            self._finished_seq_ids.append(seq.seq_id)

@@ -1,10 +1,12 @@
 """Per-sequence state: the tokens, how many of them are in the KV cache, and how it finished."""
 
+import dataclasses
 import enum
 import itertools
 
 import torch
 
+from .generation_config import PerRequest, instantiate_per_request
 from .sampling_params import SamplingParams
 
 
@@ -37,19 +39,15 @@ _FINISH_REASONS = {
 
 _seq_ids = itertools.count()
 
-# NOTE(async scheduling): the token a sequence holds at its end while the step that samples it is still
-# on the device (engine.step pipelines the next step before reading it back). It lives only inside one
-# ``LLMEngine.step()`` call: replaced by the sampled token before anything hashes, detokenizes or
-# returns the sequence's tokens. Negative, so that an embedding lookup of it fails loudly.
-PLACEHOLDER_TOKEN_ID = -1
-
 
 class Sequence:
     """One token sequence (a request has ``n`` of them).
 
     The scheduler follows one rule for prompts and outputs alike: each step gives a sequence tokens
-    so that ``num_computed_tokens`` (tokens whose K/V is in the cache) catches up with ``num_tokens``
-    (prompt + output). Preemption by recompute sets ``num_computed_tokens`` back to 0.
+    so that ``num_computed_tokens`` (tokens whose K/V is in the cache, or written by a scheduled step: it
+    advances when a step is planned) catches up with ``num_tokens + num_output_placeholders`` (prompt +
+    output, plus the tokens being sampled by planned steps whose ids are not on the host yet).
+    Preemption by recompute sets ``num_computed_tokens`` back to 0.
 
     Args:
         request_id: the owning request.
@@ -73,6 +71,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # tokens sampled by planned steps, not appended yet
         self.sampling_params = sampling_params
         self.generator = generator
         self.status = SequenceStatus.WAITING
@@ -83,7 +82,8 @@ class Sequence:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of token_ids (prefix caching)
-        # n > 1: the request's other sequences; they fork from this one when its prompt is done
+        # n > 1: the request's other sequences (``fan_out``); they fork from this one at the step that
+        # samples its first token (``Scheduler.schedule``)
         self.pending_forks: list[Sequence] = []
 
     @property
@@ -103,8 +103,38 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def at_length_limit(self, max_model_len: int, num_ahead: int = 0) -> bool:
+        """Whether the sequence has reached ``max_tokens`` outputs or ``max_model_len`` tokens once
+        ``num_ahead`` more tokens are appended (the stop check: 0; the scheduler planning past a step whose
+        tokens are not read yet: its placeholders)."""
+        num_tokens = len(self.token_ids) + num_ahead
+        return num_tokens - self.num_prompt_tokens >= self.sampling_params.max_tokens or num_tokens >= max_model_len
+
     def __repr__(self) -> str:
         return (
             f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, num_tokens={self.num_tokens}, "
             f"num_computed_tokens={self.num_computed_tokens}, status={self.status.name})"
         )
+
+
+def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams, device: torch.device) -> list[Sequence]:
+    """A request's ``params.n`` sequences, made once at ``add_request``.
+
+    Each sequence gets its own random stream when the request is seeded (seed of ``(params.seed, index)``)
+    and its own instances of the ``PerRequest`` logits processors. Only the first computes the prompt: the
+    others wait in its ``pending_forks`` and join the batch at the step that samples its first token,
+    taking its blocks by reference (copy-on-write) and sampling their first token from the same logits.
+    """
+    per_request = any(isinstance(p, PerRequest) for p in params.logits_processors)
+    seqs = []
+    for index in range(params.n):
+        generator = None
+        if params.seed is not None:
+            # NOTE: hash of an int tuple is not salted per process, so the stream is reproducible.
+            generator = torch.Generator(device=device).manual_seed(hash((params.seed, index)) & (2**63 - 1))
+        seq_params = params
+        if per_request:  # each sequence gets its own instances of the PerRequest processors
+            seq_params = dataclasses.replace(params, logits_processors=instantiate_per_request(params.logits_processors))
+        seqs.append(Sequence(request_id, index, prompt_token_ids, seq_params, generator))
+    seqs[0].pending_forks = seqs[1:]
+    return seqs

@@ -1,101 +1,18 @@
-"""Driving the engine step by step: per-request stopping criteria, and streamed text per request.
+"""Streaming to users: per engine step, the new token ids and the new text of each touched request.
 
-``stream(engine)`` yields, after every engine step, what each touched request gained: new token ids
-and the new text. Text is detokenized incrementally (the two-offset scheme of Hugging Face TGI's
-``decode_token`` and vLLM's ``detokenize_incrementally``): the new tokens are decoded together with a
-few tokens of left context, and text is released only once it no longer ends in U+FFFD, the
-replacement character a byte-level tokenizer produces for an incomplete UTF-8 sequence. So a
-multi-byte character split across tokens is emitted once, whole, when its last byte arrives.
+``stream(engine)`` yields, after every engine step, what each sequence gained. Text is detokenized
+incrementally (``output_processor.IncrementalDetokenizer``), so a multi-byte character split across
+tokens is emitted once, whole, when its last byte arrives, and text that could still begin a stop string
+is held back.
 """
 
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import torch
+from .engine import run_engine
+from .output_processor import IncrementalDetokenizer, cut_at_stop
 
-from .outputs import RequestOutput
-
-_REPLACEMENT = "\ufffd"
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
-
-    Args:
-        tokenizer: a transformers tokenizer.
-        skip_special_tokens: as in ``tokenizer.decode``.
-
-    Examples:
-        >>> class ByteTok:  # a toy byte-level tokenizer: one token per UTF-8 byte
-        ...     def decode(self, ids, skip_special_tokens=True):
-        ...         return bytes(ids).decode("utf-8", errors="replace")
-        >>> d = IncrementalDetokenizer(ByteTok())
-        >>> [d.add([b]) for b in "aé".encode()]  # 'é' is two bytes
-        ['a', '', 'é']
-    """
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
-        self.prefix_offset = 0  # start of the context window re-decoded with the new tokens
-        self.read_offset = 0  # tokens before it were already released as text
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def add(self, token_ids: list[int]) -> str:
-        """Append tokens; return the text they complete ('' while a character is still incomplete)."""
-        self.token_ids.extend(token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
-            delta = new_text[len(prefix_text) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is left at the end of the sequence (an incomplete character decodes as U+FFFD)."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.token_ids)
-        return new_text[len(prefix_text) :]
-
-
-def run_engine(
-    engine, stopping_criteria: dict[str, list[Callable]] | None = None
-) -> Iterator[list[RequestOutput]]:
-    """Step ``engine`` until it is idle, yielding each step's outputs.
-
-    Args:
-        engine: an ``LLMEngine`` with requests added.
-        stopping_criteria: ``request_id -> criteria`` with the transformers ``StoppingCriteria``
-            signature, called after every new token as ``criterion(input_ids [1, num_tokens] int64, None)``
-            on the request's prompt + output; a true result finishes the request
-            (``finish_reason="stop"``, the last token kept, as ``generate()`` keeps it). Requests with
-            criteria must have ``n == 1``.
-
-    Raises:
-        ValueError: criteria given for a request with ``n > 1``.
-    """
-    stopping_criteria = stopping_criteria or {}
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        for out in outputs:
-            criteria = stopping_criteria.get(out.request_id)
-            if out.finished or not criteria:
-                continue
-            if len(out.outputs) != 1:
-                raise ValueError(f"request {out.request_id!r}: stopping criteria need n == 1, got n={len(out.outputs)}")
-            ids = torch.tensor([out.prompt_token_ids + out.outputs[0].token_ids], dtype=torch.int64, device=engine.device)
-            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in criteria):
-                engine.abort_request(out.request_id)
-                out.finished = True
-                out.outputs[0].finish_reason = "stop"
-                if engine.tokenizer is not None:
-                    out.outputs[0].text = engine.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
-        yield outputs
+__all__ = ["IncrementalDetokenizer", "StreamDelta", "stream"]
 
 
 @dataclass(slots=True)
@@ -133,7 +50,7 @@ def stream(
 
     Args:
         engine: an ``LLMEngine`` with requests added (requests may be added while iterating).
-        stopping_criteria: as in ``run_engine``.
+        stopping_criteria: as in ``engine.run_engine``.
         skip_special_tokens: as in ``tokenizer.decode``.
 
     Yields:
@@ -183,17 +100,6 @@ def stream(
 
 
 _UNFINISHED = object()  # _TextStream.add: the sequence goes on (its stop_reason is not known yet)
-
-
-def first_stop(text: str, stops) -> str | None:
-    """The stop string that occurs earliest in ``text`` (ties: the first listed), or None."""
-    found = [(text.find(stop), i) for i, stop in enumerate(stops) if stop in text]
-    return stops[min(found)[1]] if found else None
-
-
-def cut_at_stop(text: str, stop_reason) -> str:
-    """``text`` up to the first occurrence of the stop string ``stop_reason`` (unchanged for a token id or None)."""
-    return text[: text.find(stop_reason)] if isinstance(stop_reason, str) and stop_reason in text else text
 
 
 def _held_back(text: str, stops) -> int:

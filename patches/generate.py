@@ -48,7 +48,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..cache import PagedCache
 from ..config import EngineConfig
 from ..generation_config import ENGINE_MODES, ScoreRecorder, request_sampling_params
-from ..streaming import run_engine
+from ..engine import run_engine
 from ..warm import attached_engine, current_engine, release
 from .loading import patch_from_pretrained, unpatch_from_pretrained
 from .pipeline import patch_pipeline, unpatch_pipeline

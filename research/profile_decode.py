@@ -151,7 +151,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
         while True:
             engine.step()
             seqs = engine.scheduler.running
-            if len(seqs) == B and all(s.num_computed_tokens + 1 == s.num_tokens for s in seqs):
+            if len(seqs) == B and all(s.num_computed_tokens + 1 == s.num_tokens + s.num_output_placeholders for s in seqs):
                 break
         for _ in range(3):
             engine.step()

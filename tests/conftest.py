@@ -238,17 +238,15 @@ def check_block_invariants(engine) -> None:
     bm = engine.cache.block_manager
     scheduler = engine.scheduler
     held: set[int] = set()
-    # async scheduling: a step left running on the device already holds its sequences' slots
-    in_flight = getattr(engine, "_in_flight", None)
-    scheduled = dict(zip((s.seq_id for s in in_flight.plan.seqs), in_flight.plan.num_scheduled_tokens)) if in_flight else {}
     for seq in list(scheduler.running) + list(scheduler.waiting):
         table = bm.block_tables.get(seq.seq_id, [])
-        assert len(table) <= bm.blocks_for(seq.num_tokens), (
-            f"{seq} holds {len(table)} blocks, over ceil({seq.num_tokens}/{bm.block_size})"
+        # async scheduling: a step planned ahead of the last one's sampling counts its tokens as placeholders
+        num_tokens = seq.num_tokens + seq.num_output_placeholders
+        assert len(table) <= bm.blocks_for(num_tokens), (
+            f"{seq} holds {len(table)} blocks, over ceil({num_tokens}/{bm.block_size})"
         )
-        if seq in scheduler.running:
-            expected = bm.blocks_for(seq.num_computed_tokens + scheduled.get(seq.seq_id, 0))
-            assert len(table) == expected, f"{seq} holds {len(table)} blocks"
+        if seq in scheduler.running:  # num_computed_tokens counts the tokens of planned steps
+            assert len(table) == bm.blocks_for(seq.num_computed_tokens), f"{seq} holds {len(table)} blocks"
         held.update(table)
     assert not held & set(bm.free_blocks), f"blocks both held and free: {sorted(held & set(bm.free_blocks))}"
     assert bm.num_used_blocks == len(held), f"{bm.num_used_blocks} blocks used, {len(held)} held by live sequences"

@@ -11,7 +11,6 @@ import pytest
 
 from conftest import assert_pool_whole, check_block_invariants, random_prompts
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams
-from paged_transformers.sequence import PLACEHOLDER_TOKEN_ID
 
 PROMPTS = random_prompts(5, 4, 40, seed=31)
 
@@ -49,7 +48,7 @@ def run(model, requests, async_scheduling, *, tokenizer=None, before_step=None, 
                 results[out.request_id] = [
                     (c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob) for c in out.outputs
                 ]
-                assert PLACEHOLDER_TOKEN_ID not in out.outputs[0].token_ids
+                assert all(0 <= t < model.config.vocab_size for t in out.outputs[0].token_ids)
             check_block_invariants(engine)
             step += 1
         assert_pool_whole(engine)  # no KV block leaked (cached blocks count as free)
@@ -200,7 +199,8 @@ def test_prefix_caching_with_shared_prefixes(llama):
 
 def test_pipelined_steps_keep_a_step_in_flight(llama):
     """Steady greedy decode: after the first step each step() returns with the next step launched, one
-    token per request per call, and placeholders never outlive a call."""
+    token per request per call; between calls each sequence counts the in-flight step's token as its one
+    placeholder (already in num_computed_tokens), and its token ids are the ones reported."""
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLMEngine(llama, engine_config=EngineConfig(max_model_len=256)) as engine:
         for i, prompt in enumerate(PROMPTS[:3]):
@@ -209,8 +209,11 @@ def test_pipelined_steps_keep_a_step_in_flight(llama):
         while engine.has_unfinished_requests():
             outs = engine.step()
             lengths.append(sorted(len(o.outputs[0].token_ids) for o in outs))
+            reported = {o.request_id: o.outputs[0].token_ids for o in outs}
             for seq in engine.scheduler.running:
-                assert PLACEHOLDER_TOKEN_ID not in seq.token_ids
+                assert seq.num_output_placeholders == (engine._in_flight is not None)
+                assert seq.num_computed_tokens == seq.num_tokens - (engine._in_flight is None)
+                assert seq.output_token_ids == reported[seq.request_id]
         assert lengths == [[n] * 3 for n in range(1, 11)]
         # steps 2..10 launched before the previous step's tokens were read (step 10's token ends by length,
         # so nothing is launched after it)

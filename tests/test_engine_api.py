@@ -176,3 +176,41 @@ def test_failed_engine_start_leaves_the_model_as_it_was(llama, monkeypatch):
         LLMEngine(llama, engine_config=EngineConfig(attention_backend="triton"))
     assert llama.config._attn_implementation == before
     assert stock_greedy(llama, PROMPTS[0], 2)[0]  # plain generate still works
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stopping_criteria_stop_the_request_like_a_stop_token(llama, async_scheduling):
+    """A transformers ``StoppingCriteria`` that fires at the 3rd output token ends the request there with
+    finish_reason "stop" (the token kept, as generate() keeps it), as a finished request: its finish time is
+    recorded and the pool is whole; the other request runs on unchanged (stock greedy)."""
+    from paged_transformers.engine import run_engine
+
+    prompts = random_prompts(2, 5, 9, seed=41)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    calls = []
+
+    def third_token(input_ids, scores):
+        calls.append(input_ids.shape[1] - len(prompts[0]))
+        return input_ids.shape[1] - len(prompts[0]) >= 3
+
+    config = EngineConfig(max_model_len=256, async_scheduling=async_scheduling)
+    with LLMEngine(llama, engine_config=config) as engine:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        done = {out.request_id: out for outs in run_engine(engine, {"0": [third_token]}) for out in outs if out.finished}
+        assert_pool_whole(engine)
+    stopped, other = done["0"].outputs[0], done["1"].outputs[0]
+    assert calls == [1, 2, 3]
+    assert stopped.token_ids == stock_greedy(llama, prompts[0], 3)[0]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", None)
+    assert done["0"].metrics.finished_time is not None
+    assert other.token_ids == stock_greedy(llama, prompts[1], 8)[0] and other.finish_reason == "length"
+
+
+def test_stopping_criteria_need_n_1(llama):
+    from paged_transformers.engine import run_engine
+
+    with LLMEngine(llama, engine_config=EngineConfig(max_model_len=256)) as engine:
+        engine.add_request("a", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
+        with pytest.raises(ValueError, match="n == 1, got n=2"):
+            next(run_engine(engine, {"a": [lambda ids, scores: False]}))

@@ -13,17 +13,19 @@ from conftest import engine_greedy, make_tiny_model, random_prompts, stock_greed
 
 
 def naive_metadata(engine, plan):
-    """The step's tensors built token by token from the block manager (independent of the runner)."""
+    """The step's tensors built token by token from the plan's positions and the block manager's tables
+    (independent of the runner's persistent batch)."""
     bm = engine.cache.block_manager
     input_ids, positions, slots, seq_lens, starts, logits_indices = [], [], [], [], [0], []
-    for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_scheduled_tokens)):
-        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+    for entry in plan.seqs:
+        seq = engine.scheduler.seqs[entry.seq_id]
+        for p in range(entry.num_computed_tokens, entry.num_computed_tokens + entry.num_scheduled_tokens):
             input_ids.append(seq.token_ids[p])
             positions.append(p)
             slots.append(bm.slot(seq.seq_id, p))
-        seq_lens.append(seq.num_computed_tokens + n)
-        starts.append(starts[-1] + n)
-        if seq.num_computed_tokens + n == seq.num_tokens:
+        seq_lens.append(entry.num_computed_tokens + entry.num_scheduled_tokens)
+        starts.append(starts[-1] + entry.num_scheduled_tokens)
+        if seq_lens[-1] == seq.num_tokens:
             logits_indices.append(starts[-1] - 1)
     return input_ids, positions, slots, seq_lens, starts, logits_indices
 
@@ -42,8 +44,8 @@ def check_prepare(engine, plan):
     assert runner.logits_indices[:num_sampled].tolist() == li
     assert max_q == max(plan.num_scheduled_tokens) and max_s == max(lens)
     tables = engine.cache.block_manager.block_tables
-    for i, seq in enumerate(plan.seqs):
-        table = tables[seq.seq_id]
+    for i, entry in enumerate(plan.seqs):
+        table = tables[entry.seq_id]
         assert runner.block_tables[i, : len(table)].tolist() == table
 
 
@@ -59,7 +61,7 @@ def test_prepare_matches_naive_metadata_mixed_chunked_steps():
     """Chunked prefill + decode steps with a small token budget: every step's buffers equal the naive ones."""
     model = make_tiny_model("llama")
     config = EngineConfig(block_size=4, max_num_batched_tokens=24, max_num_seqs=4, num_gpu_blocks=64,
-                          max_model_len=128, attention_backend="torch")
+                          max_model_len=128, attention_backend="torch", async_scheduling=False)
     with LLMEngine(model, engine_config=config) as engine:
         for i, prompt in enumerate(random_prompts(5, 3, 30, seed=1)):
             engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True))
@@ -70,19 +72,15 @@ def test_prepare_matches_naive_metadata_mixed_chunked_steps():
                 check_prepare(engine, plan)
                 kinds.add("decode" if all(n == 1 for n in plan.num_scheduled_tokens) else "mixed")
                 # hand the plan back: run it through the engine's own path
-                logits = engine.runner.execute(plan)
-                seqs = [s for i, s in enumerate(plan.seqs) if plan.samples(i)]
-                sampled = {s.seq_id: t for s, t in zip(seqs, logits.argmax(-1).tolist())}
-                engine.scheduler.update_from_output(plan, sampled)
-                for s in plan.seqs:
-                    if s.is_finished:
-                        engine.requests.pop(s.request_id, None)
+                engine._in_flight = engine._launch(plan)
+                engine.step()
         assert kinds == {"decode", "mixed"}
 
 
 def test_prepare_pads_decode_step():
     model = make_tiny_model("llama")
-    config = EngineConfig(block_size=4, max_num_seqs=8, num_gpu_blocks=64, max_model_len=128, attention_backend="torch")
+    config = EngineConfig(block_size=4, max_num_seqs=8, num_gpu_blocks=64, max_model_len=128, attention_backend="torch",
+                          async_scheduling=False)
     with LLMEngine(model, engine_config=config) as engine:
         for i, prompt in enumerate(random_prompts(3, 5, 9, seed=2)):
             engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -2,7 +2,8 @@
 preemption by recompute, and the pool after each step.
 
 Each step is simulated: ``schedule()``, then ``update_from_output`` with a made-up token for every
-sequence that catches up. ``check_stop`` ends a sequence after ``max_tokens`` outputs. The expected
+sequence that catches up (a ``ModelRunnerOutput``), and a sequence ends after ``max_tokens`` outputs (as
+the output processor ends it: ``Scheduler.finish``). The expected
 plans are written out by hand from the rules in the scheduler's module docstring (vLLM V1's).
 """
 
@@ -12,6 +13,7 @@ import pytest
 
 from paged_transformers.block_manager import BlockManager
 from paged_transformers.config import EngineConfig
+from paged_transformers.messages import ModelRunnerOutput
 from paged_transformers.sampling_params import SamplingParams
 from paged_transformers.scheduler import Scheduler
 from paged_transformers.sequence import Sequence, SequenceStatus
@@ -19,13 +21,7 @@ from paged_transformers.sequence import Sequence, SequenceStatus
 
 def make_scheduler(num_blocks: int, block_size: int = 4, **config) -> Scheduler:
     config.setdefault("enable_prefix_caching", False)
-
-    def check_stop(seq: Sequence):
-        if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    return Scheduler(EngineConfig(block_size=block_size, **config), BlockManager(num_blocks, block_size), check_stop)
+    return Scheduler(EngineConfig(block_size=block_size, **config), BlockManager(num_blocks, block_size), max_model_len=4096)
 
 
 def add(scheduler: Scheduler, prompt_len: int, max_tokens: int, name: str = "r") -> Sequence:
@@ -38,8 +34,10 @@ def step(scheduler: Scheduler):
     """One simulated step; returns the plan as ``[(request_id, num_tokens, samples)]`` and the plan."""
     out = scheduler.schedule()
     plan = [(seq.request_id, n, out.samples(i)) for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens))]
-    sampled = {seq.seq_id: 7 for i, seq in enumerate(out.seqs) if out.samples(i)}
-    scheduler.update_from_output(out, sampled)
+    sampled = {seq_id: 7 for seq_id in out.sampled_seq_ids}
+    for seq in scheduler.update_from_output(out, ModelRunnerOutput(sampled, {}, {})):
+        if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+            scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
     return plan, out
 
 
@@ -115,7 +113,7 @@ def test_preempts_the_most_recent_and_resumes_by_recompute():
     # Each now has 9 tokens and needs a third block: a preempts c (the most recent), b takes c's blocks.
     plan, out = step(s)
     assert plan == [("a", 1, True), ("b", 1, True)]
-    assert out.preempted == [c] and c.num_preemptions == 1 and c.num_computed_tokens == 0
+    assert out.preempted_seq_ids == (c.seq_id,) and c.num_preemptions == 1 and c.num_computed_tokens == 0
     assert list(s.waiting) == [c] and c.seq_id not in s.block_manager.block_tables
     assert c.output_token_ids == [7]  # its sampled token is kept: the recompute covers prompt + outputs
     check_pool(s)
@@ -165,7 +163,7 @@ def test_random_workload_invariants(seed):
         if not pending and not s.has_unfinished():
             break
         plan, out = step(s)
-        preemptions += len(out.preempted)
+        preemptions += len(out.preempted_seq_ids)
         assert sum(n for _, n, _ in plan) <= config["max_num_batched_tokens"]
         assert len(s.running) <= config["max_num_seqs"]
         assert len({r for r, _, _ in plan}) == len(plan)
@@ -175,3 +173,28 @@ def test_random_workload_invariants(seed):
     assert all(seq.is_finished and seq.num_output_tokens == seq.sampling_params.max_tokens for seq in seqs)
     assert preemptions > 0, "the workload should be tight enough to preempt"
     assert s.block_manager.num_free_blocks == num_blocks
+
+
+def test_plans_advance_at_schedule_time_and_schedule_ahead_counts_placeholders():
+    """A plan advances num_computed_tokens and counts each sampled token as a placeholder; the next plan can be
+    made before the tokens are known (one decode token per sequence, ids unknown, only new blocks in the
+    entries) unless a sequence would stop by length with its token; update_from_output fills the placeholders."""
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
+    a, b = add(s, 4, 3, "a"), add(s, 6, 2, "b")
+    first = s.schedule()
+    assert [(e.num_computed_tokens, e.num_scheduled_tokens, e.samples, e.replace_table) for e in first.seqs] == [
+        (0, 4, True, True), (0, 6, True, True)]
+    assert [len(e.new_block_ids) for e in first.seqs] == [1, 2] and first.sampled_seq_ids == [a.seq_id, b.seq_id]
+    assert (a.num_computed_tokens, a.num_output_placeholders, b.num_computed_tokens) == (4, 1, 6)
+    ahead = s.schedule_ahead()
+    assert [(e.num_computed_tokens, e.num_scheduled_tokens, e.token_ids) for e in ahead.seqs] == [(4, 1, ()), (6, 1, ())]
+    # a's position 4 opens a second block, b's position 6 lands in the block it holds
+    assert [(len(e.new_block_ids), e.replace_table) for e in ahead.seqs] == [(1, False), (0, False)]
+    assert s.block_manager.block_tables[a.seq_id][1:] == list(ahead.seqs[0].new_block_ids)
+    assert (a.num_output_placeholders, b.num_output_placeholders) == (2, 2)
+    assert s.update_from_output(first, ModelRunnerOutput({a.seq_id: 7, b.seq_id: 8}, {}, {})) == [a, b]
+    assert (a.output_token_ids, b.output_token_ids, a.num_output_placeholders) == ([7], [8], 1)
+    assert s.schedule_ahead() is None  # b's next token is its 2nd and last (max_tokens=2)
+    s.update_from_output(ahead, ModelRunnerOutput({a.seq_id: 9}, {}, {b.seq_id: ValueError("row failed")}))
+    assert a.output_token_ids == [7, 9] and b.status == SequenceStatus.FINISHED_ABORTED and str(b.error) == "row failed"
+    assert s.schedule().finished_seq_ids == (b.seq_id,)  # the runner hears of it with the next plan

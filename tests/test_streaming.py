@@ -201,3 +201,48 @@ def test_stream_stop_string_smollm2(smollm2):
     )
     assert finals["a"].outputs[0].text == text[:start]
     assert_streamed_once(deltas, finals)
+
+
+class ChunkTokenizer:
+    """Tokens are chunks of 1 to 3 bytes of UTF-8 (token t is ``chunks[t]``), so a token can end a character
+    and begin the next one: its complete characters decode only with the next token(s)."""
+
+    def __init__(self):
+        self.chunks: list[bytes] = []
+
+    def encode(self, data: bytes, rng) -> list[int]:
+        ids, i = [], 0
+        while i < len(data):
+            n = rng.randint(1, 3)
+            self.chunks.append(data[i : i + n])
+            ids.append(len(self.chunks) - 1)
+            i += n
+        return ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.chunks[t] for t in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_incremental_stop_search_finds_what_a_full_decode_finds(seed):
+    """The output processor searches stop strings in incrementally decoded text, only where new text can
+    complete one; reference: the earliest stop in a full decode of the output after each token, the first
+    token at which one appears. Texts mix ASCII and multi-byte characters, and a stop may end inside a token
+    that also holds the first bytes of the next character."""
+    import random
+
+    from paged_transformers.output_processor import _StopStrings, first_stop
+
+    rng = random.Random(seed)
+    text = "".join(rng.choice(["a", "b", "é", "✓", "😀", " "]) for _ in range(40))
+    tokenizer = ChunkTokenizer()
+    ids = tokenizer.encode(text.encode(), rng)
+    stops = [text[i : i + rng.randint(1, 4)] for i in (rng.randrange(40) for _ in range(2))] + ["zz"]
+    search = _StopStrings(tokenizer, stops)
+    for n in range(1, len(ids) + 1):
+        want = first_stop(tokenizer.decode(ids[:n]), stops)
+        assert search.find(ids[:n]) == want, (n, text, stops)
+        if want is not None:
+            break
+    else:
+        pytest.fail(f"no stop found in {text!r} for {stops}")

@@ -1,0 +1,106 @@
+"""What ``LLMEngine.add_request`` checks before anything is queued: the prompt and the sampling parameters.
+
+Every check raises a ``ValueError`` naming the bad value, before any state changes: a refused request
+leaves no trace.
+"""
+
+import copy
+import operator
+
+import torch
+
+from .config import EngineConfig
+from .sampling_params import SamplingParams
+
+
+def tokenize(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt (string prompts need the tokenizer). Token ids may be a list or tuple of
+    ints, a 1-D ``torch.Tensor`` or numpy array, or a list of numpy/torch integer scalars.
+
+    Raises:
+        ValueError: a string prompt without a tokenizer, a tensor or array that is not 1-D, or a prompt
+            of another type.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"prompt {prompt[:40]!r} is a string but no tokenizer was given; pass tokenizer= or token ids")
+        return list(tokenizer(prompt).input_ids)
+    if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
+        if getattr(prompt, "ndim", None) != 1:
+            raise ValueError(
+                f"a token-id prompt must be 1-D, got a {type(prompt).__name__} of shape {tuple(prompt.shape)}"
+                + (" (a batch: pass its rows as separate prompts)" if getattr(prompt, "ndim", 0) == 2 else "")
+            )
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    return [_as_token_id(t) for t in prompt]
+
+
+def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int, config: EngineConfig) -> None:
+    """Check a tokenized prompt against the vocabulary and the engine's limits.
+
+    Raises:
+        ValueError: empty; an id that is not an integer (naming its type: float, bool, str, a nested
+            list, ...); an id outside ``[0, vocab_size)``; ``len >= max_model_len``
+            (at least one output token must fit); longer than ``max_num_batched_tokens`` with
+            chunked prefill off.
+    """
+    if not prompt_token_ids:
+        raise ValueError("prompt is empty: it needs at least one token")
+    not_ints = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
+    if not_ints:
+        shown = ", ".join(f"{t!r} ({type(t).__name__})" for t in not_ints[:5])
+        raise ValueError(f"prompt token ids must be integers (one flat list of ids), got {shown}")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(prompt_token_ids)} tokens; max_model_len={max_model_len} leaves room for "
+            f"prompts of at most {max_model_len - 1} tokens"
+        )
+    if not config.enable_chunked_prefill and len(prompt_token_ids) > config.max_num_batched_tokens:
+        raise ValueError(
+            f"prompt has {len(prompt_token_ids)} tokens, over max_num_batched_tokens="
+            f"{config.max_num_batched_tokens}, and chunked prefill is off"
+        )
+
+
+def check_sampling_params(sampling_params, config: EngineConfig, vocab_size: int, tokenizer) -> SamplingParams:
+    """The request's own copy of ``sampling_params`` (default ``SamplingParams()``), checked again.
+
+    A ``SamplingParams`` changed after construction (``sp.n = 0``, ``sp.temperature = nan``) is refused here
+    instead of failing a step for the whole batch, and changing it after ``add_request`` cannot reach the
+    running request (the copy has its own lists).
+
+    Raises:
+        ValueError: not a ``SamplingParams``, a field out of range (``SamplingParams.validate``),
+            ``n > max_num_seqs``, ``stop`` strings without a tokenizer, ``stop_token_ids`` outside the
+            vocabulary, ``logprobs > vocab_size``.
+    """
+    sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    sampling_params = copy.copy(sampling_params)
+    sampling_params.validate()
+    if sampling_params.n > config.max_num_seqs:
+        raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={config.max_num_seqs}: the n sequences run together")
+    if sampling_params.stop and tokenizer is None:
+        raise ValueError(f"stop={sampling_params.stop!r} needs a tokenizer to match text; pass tokenizer= or use stop_token_ids")
+    bad_stop = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
+    if bad_stop:
+        raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad_stop[:5]}")
+    if sampling_params.logprobs is not None and sampling_params.logprobs > vocab_size:
+        raise ValueError(f"logprobs={sampling_params.logprobs} exceeds the vocabulary size {vocab_size}")
+    return sampling_params
+
+
+def _as_token_id(token):
+    """numpy / torch integer scalars as ``int``; anything else unchanged, for ``validate_prompt`` to name."""
+    if isinstance(token, int):
+        return token
+    try:
+        return operator.index(token)
+    except TypeError:
+        return token

@@ -1,0 +1,237 @@
+"""Stop checks and request outputs: what the engine makes of a step's new tokens.
+
+After ``Scheduler.update_from_output`` has appended a step's tokens, ``OutputProcessor.check_stops`` says
+which sequences end, in this order: a ``stop_token_ids`` token, an EOS token (unless ``ignore_eos``), a
+``stop`` string, ``max_tokens`` outputs or ``max_model_len`` tokens (``Sequence.at_length_limit``), and
+last the request's transformers ``StoppingCriteria`` (``LLMEngine.run``). ``min_tokens`` is the sampler's
+(EOS and stop tokens are masked until then). The engine ends those sequences (``Scheduler.finish``) and
+``make_outputs`` turns the touched requests into ``RequestOutput``s, forgetting the finished ones.
+
+Stop strings are searched in text decoded incrementally (``IncrementalDetokenizer``: the two-offset scheme
+of Hugging Face TGI's ``decode_token`` and vLLM's ``detokenize_incrementally``), only where the new tokens'
+text can complete one, so a step costs O(new tokens), not O(output length).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence, SequenceStatus
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    The new tokens are decoded together with a few tokens of left context, and text is released only once
+    it no longer ends in U+FFFD, the replacement character a byte-level tokenizer produces for an
+    incomplete UTF-8 sequence. So a multi-byte character split across tokens is emitted once, whole, when
+    its last byte arrives.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        skip_special_tokens: as in ``tokenizer.decode``.
+
+    Examples:
+        >>> class ByteTok:  # a toy byte-level tokenizer: one token per UTF-8 byte
+        ...     def decode(self, ids, skip_special_tokens=True):
+        ...         return bytes(ids).decode("utf-8", errors="replace")
+        >>> d = IncrementalDetokenizer(ByteTok())
+        >>> [d.add([b]) for b in "aé".encode()]  # 'é' is two bytes
+        ['a', '', 'é']
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0  # start of the context window re-decoded with the new tokens
+        self.read_offset = 0  # tokens before it were already released as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete ('' while a character is still incomplete)."""
+        self.token_ids.extend(token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+            delta = new_text[len(prefix_text) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return delta
+        return ""
+
+    def pending(self) -> str:
+        """The text of the tokens not released yet, as ``flush`` would return it, without releasing it."""
+        if self.read_offset == len(self.token_ids):
+            return ""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        return self._decode(self.token_ids[self.prefix_offset :])[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Whatever is left at the end of the sequence (an incomplete character decodes as U+FFFD)."""
+        text = self.pending()
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return text
+
+
+def first_stop(text: str, stops) -> str | None:
+    """The stop string that occurs earliest in ``text`` (ties: the first listed), or None."""
+    found = [(text.find(stop), i) for i, stop in enumerate(stops) if stop in text]
+    return stops[min(found)[1]] if found else None
+
+
+def cut_at_stop(text: str, stop_reason) -> str:
+    """``text`` up to the first occurrence of the stop string ``stop_reason`` (unchanged for a token id or None)."""
+    return text[: text.find(stop_reason)] if isinstance(stop_reason, str) and stop_reason in text else text
+
+
+class _StopStrings:
+    """One sequence's output text, decoded incrementally, searched for its stop strings where the new text
+    can complete one: a stop that began earlier would have been found earlier."""
+
+    __slots__ = ("detokenizer", "stops", "max_len", "text", "num_tokens")
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stops = stops
+        self.max_len = max(map(len, stops))
+        self.text = ""  # released so far
+        self.num_tokens = 0  # output tokens given to the detokenizer
+
+    def find(self, output_token_ids: list[int]) -> str | None:
+        """The earliest stop string in the output text (the one a full decode would show), or None."""
+        start = max(0, len(self.text) - self.max_len + 1)
+        self.text += self.detokenizer.add(output_token_ids[self.num_tokens :])
+        self.num_tokens = len(output_token_ids)
+        return first_stop(self.text[start:] + self.detokenizer.pending(), self.stops)
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A request while the engine serves it: its ``n`` sequences (``sequence.fan_out``) and its metrics."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    stopping_criteria: list[Callable] = field(default_factory=list)
+    stop_strings: dict[int, _StopStrings] = field(default_factory=dict)  # seq index -> its stop-string search
+
+
+class OutputProcessor:
+    """The stop checks and the ``RequestOutput``s of the engine's requests.
+
+    Args:
+        tokenizer: optional; for ``stop`` strings and output text.
+        eos_token_ids: EOS ids (the engine updates the set in place when the model's change).
+        max_model_len: longest sequence in tokens.
+        device: where ``StoppingCriteria`` get their ``input_ids``.
+    """
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, device: torch.device):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.device = device
+        self.requests: dict[str, EngineRequest] = {}  # unfinished requests, in arrival order
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.requests[request.request_id] = request
+
+    def set_stopping_criteria(self, request_id: str, criteria: list[Callable]) -> None:
+        """Finish the request when one of ``criteria`` (transformers ``StoppingCriteria`` signature) says so
+        after a new token: ``criterion(input_ids [1, num_tokens] int64, None)`` on prompt + output; a true
+        result ends it with ``finish_reason="stop"``, the last token kept (as ``generate()`` keeps it).
+
+        Raises:
+            ValueError: the request has ``n > 1``.
+        """
+        request = self.requests[request_id]
+        if len(request.seqs) != 1:
+            raise ValueError(f"request {request_id!r}: stopping criteria need n == 1, got n={len(request.seqs)}")
+        request.stopping_criteria = list(criteria)
+
+    def check_stops(self, seqs: list[Sequence]) -> list[tuple[Sequence, SequenceStatus]]:
+        """The unfinished ones of ``seqs`` (each just got a token) that end now, with how (see the module
+        docstring); sets their ``stop_reason``."""
+        stopped = []
+        for seq in seqs:
+            if not seq.is_finished:
+                status = self._check_stop(seq)
+                if status is not None:
+                    stopped.append((seq, status))
+        return stopped
+
+    def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
+        sp = seq.sampling_params
+        token = seq.token_ids[-1]
+        if sp.stop_token_ids and token in sp.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        request = self.requests[seq.request_id]
+        if sp.stop and self.tokenizer is not None:
+            search = request.stop_strings.get(seq.index)
+            if search is None:
+                search = request.stop_strings[seq.index] = _StopStrings(self.tokenizer, list(sp.stop))
+            stop = search.find(seq.output_token_ids)
+            if stop is not None:
+                seq.stop_reason = stop
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.at_length_limit(self.max_model_len):
+            return SequenceStatus.FINISHED_LENGTH
+        if request.stopping_criteria:
+            ids = torch.tensor([seq.token_ids], dtype=torch.int64, device=self.device)
+            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in request.stopping_criteria):
+                return SequenceStatus.FINISHED_STOPPED
+        return None
+
+    def make_outputs(self, seqs: list[Sequence], now: float) -> list[RequestOutput]:
+        """One ``RequestOutput`` per request of ``seqs`` (in first-seen order); finished requests are
+        returned once and forgotten."""
+        outputs = []
+        for request_id in dict.fromkeys(seq.request_id for seq in seqs):
+            request = self.requests[request_id]
+            metrics = request.metrics
+            if not metrics.first_token_time:
+                metrics.first_token_time = now
+            output = self.make_output(request)
+            if output.finished:
+                metrics.finished_time = now
+                del self.requests[request_id]
+            outputs.append(output)
+        return outputs
+
+    def make_output(self, request: EngineRequest) -> RequestOutput:
+        """The request's state as a ``RequestOutput`` (a snapshot: its lists are copies). Text comes with the
+        finished output only (``streaming.stream`` yields text as it is generated)."""
+        seqs = request.seqs
+        finished = all(seq.status.is_finished for seq in seqs)
+        completions = []
+        for seq in seqs:
+            # NOTE: decoding the whole output is O(length): done once, when the request finishes.
+            text = cut_at_stop(self.decode(seq.output_token_ids), seq.stop_reason) if finished else ""
+            logprobs = seq.logprobs
+            completions.append(CompletionOutput(
+                seq.index, text, seq.token_ids[seq.num_prompt_tokens :],
+                seq.cumulative_logprob if logprobs is not None else None,
+                list(logprobs) if logprobs is not None else None,
+                seq.status.finish_reason, seq.stop_reason, seq.error,
+            ))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+                             request.metrics)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` ('' without a tokenizer)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
