@@ -21,7 +21,7 @@ eager model up to the order of floating-point reductions.
 """
 
 import torch
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers import GradientCheckpointingLayer
 
 from .decode_linear import DecodeLinearPass
 
