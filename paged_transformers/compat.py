@@ -34,9 +34,8 @@ def prepare_generation_config(model, generation_config: GenerationConfig | None,
     that are not generation options (``generate()``'s model kwargs).
 
     Checked on 5.17.0 and 5.24.0: ``GenerationMixin._prepare_generation_config(generation_config, **kwargs)
-    -> (config, model_kwargs)`` (it deep-copies nothing itself: pass a copy) and
-    ``_prepare_special_tokens(config, kwargs_has_attention_mask, device)`` (sets ``_eos_token_tensor``,
-    ``_pad_token_tensor``, ...).
+    -> (config, model_kwargs)`` and ``_prepare_special_tokens(config, kwargs_has_attention_mask, device)`` (sets
+    ``_eos_token_tensor``, ``_pad_token_tensor``, ...).
     """
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     device = next(model.parameters()).device

@@ -26,6 +26,7 @@ import torch
 from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata
 from .cache import PagedCache
+from .compat import attn_implementation
 from .scheduler import SchedulerOutput
 from .weights import WeightsChange
 
@@ -139,7 +140,7 @@ class ModelRunner:
         fuse_projections: bool | None = None,
         cpu_prepack_weights: bool | None = None,
     ):
-        assert model.config._attn_implementation == ATTENTION_NAME, model.config._attn_implementation
+        assert attn_implementation(model.config) == ATTENTION_NAME, attn_implementation(model.config)
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if value <= 0:
