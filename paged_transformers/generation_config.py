@@ -1,10 +1,15 @@
-"""``GenerationConfig`` -> one ``SamplingParams`` per request, with transformers' own logits processors.
+"""The one ``GenerationConfig`` -> per-prompt ``SamplingParams`` adapter, with transformers' own logits processors.
+
+``paged_generate(generation_config=...)`` (``sampling_params_from_generation_config``), the patched
+``model.generate()`` and so ``pipeline("text-generation")`` (``sampling_params_for_prompts`` on the config and
+stopping criteria stock ``generate()`` prepared) and ``SamplingParams.from_generation_config``
+(``sampling_params_fields``) all map a ``GenerationConfig`` here.
 
 The engine samples each request alone, so every ``GenerationConfig`` option that ``generate()``
 implements as a ``LogitsProcessor`` (repetition_penalty, no_repeat_ngram_size, bad_words_ids,
 typical_p, suppress_tokens, min_new_tokens, forced_eos_token_id, temperature/top-k/top-p/min-p
 warpers, watermarking, ...) is served by building the very list ``generate()`` builds
-(``model._get_logits_processor``) once per request, for that request's own prompt, and calling it with
+(``compat.build_logits_processors``) once per request, for that request's own prompt, and calling it with
 that request's history ``[1, num_tokens]`` (prompt + output, no padding). Then the sampler only takes
 the argmax (``do_sample=False``) or draws from ``softmax(scores)`` (``do_sample=True``), which is what
 ``generate()`` does after its processors. Stopping criteria other than max length and EOS (e.g.
@@ -18,16 +23,23 @@ each request (and each of its sequences) gets its own instance; outside the engi
 """
 
 import copy
-import logging
 from typing import Any, Callable, Iterable
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.generation.configuration_utils import GenerationMode
+from transformers import (
+    EosTokenCriteria, GenerationConfig, LogitsProcessor, LogitsProcessorList, MaxLengthCriteria, MaxTimeCriteria,
+    StopStringCriteria,
+)
 
+from . import compat
+from .compat import GenerationMode, eos_token_ids
 from .sampling_params import SamplingParams
 
-logger = logging.getLogger("paged_transformers")
+__all__ = [
+    "ENGINE_MODES", "PerRequest", "ScoreRecorder", "check_engine_supported", "eos_token_ids",
+    "instantiate_per_request", "prepare_generation_config", "request_sampling_params",
+    "sampling_params_fields", "sampling_params_for_prompts", "sampling_params_from_generation_config",
+]
 
 ENGINE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
@@ -110,41 +122,92 @@ def prepare_generation_config(model, generation_config: GenerationConfig | None 
     Raises:
         NotImplementedError: an unsupported option, or ``kwargs`` that are not generation options.
     """
-    gc, model_kwargs = model._prepare_generation_config(copy.deepcopy(generation_config), **kwargs)
+    gc, model_kwargs = compat.prepare_generation_config(model, copy.deepcopy(generation_config), **kwargs)
     if model_kwargs:
         raise NotImplementedError(f"keyword arguments that are not GenerationConfig options: {sorted(model_kwargs)}")
-    device = next(model.parameters()).device
-    model._prepare_special_tokens(gc, kwargs_has_attention_mask=True, device=device)
     check_engine_supported(gc)
     return gc
 
 
-def eos_token_ids(gc: GenerationConfig) -> list[int]:
-    """EOS ids of a prepared config (``_eos_token_tensor``), else of ``eos_token_id``."""
-    eos = getattr(gc, "_eos_token_tensor", None)
-    if eos is not None:
-        return [int(t) for t in eos.flatten().tolist()]
-    eos = gc.eos_token_id
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
+def sampling_params_from_generation_config(
+    model, prompts: list[list[int]], generation_config: GenerationConfig | None = None, *,
+    tokenizer=None, logits_processor: Iterable | None = None, **kwargs,
+) -> tuple[list[SamplingParams], dict[str, list] | None]:
+    """Per prompt, the ``SamplingParams`` that sample it as ``generate(generation_config, **kwargs)`` would
+    sample it alone, and the stopping criteria ``generate()`` builds from the config (``stop_strings``,
+    ``max_time``).
+
+    Args:
+        model: the transformers model (its defaults are merged as ``generate()`` merges them).
+        prompts: token ids per prompt, no padding.
+        generation_config, kwargs: as given to ``generate()``; None: ``model.generation_config``.
+        tokenizer: needed for ``stop_strings``.
+        logits_processor: the caller's processors (``request_sampling_params``).
+
+    Returns:
+        ``(params, stopping_criteria)``: one ``SamplingParams`` per prompt; criteria per request id (the prompt's
+        index as a string), None when there are none.
+
+    Raises:
+        NotImplementedError: an option the engine cannot honour, naming it.
+        ValueError: ``stop_strings`` without a tokenizer; a prompt left no room by ``max_length`` (index named).
+    """
+    gc = prepare_generation_config(model, generation_config, **kwargs)
+    criteria = []
+    if gc.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError(f"GenerationConfig.stop_strings={gc.stop_strings!r} needs tokenizer=")
+        criteria.append(StopStringCriteria(stop_strings=gc.stop_strings, tokenizer=tokenizer))
+    if gc.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=gc.max_time))
+    max_new_tokens = []
+    for i, ids in enumerate(prompts):
+        max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - len(ids)
+        if max_new < 1:
+            raise ValueError(f"prompt {i}: {len(ids)} tokens leave no room under max_length={gc.max_length}")
+        max_new_tokens.append(max_new)
+    return sampling_params_for_prompts(model, gc, prompts, max_new_tokens, logits_processor=logits_processor,
+                                       stopping_criteria=criteria)
+
+
+def sampling_params_for_prompts(
+    model, gc: GenerationConfig, prompts: list[list[int]], max_new_tokens: list[int], *,
+    logits_processor: Iterable | None = None, stopping_criteria: Iterable = (),
+    processors_first: list[list] | None = None, processors_last: list[list] | None = None,
+) -> tuple[list[SamplingParams], dict[str, list] | None]:
+    """Per prompt, ``request_sampling_params`` for a prepared config, and the stopping criteria the engine
+    runs per request: ``stopping_criteria`` less ``MaxLengthCriteria`` and ``EosTokenCriteria`` (those are
+    each request's ``max_tokens`` and ``stop_token_ids``).
+
+    Args:
+        gc: a prepared ``GenerationConfig`` (``prepare_generation_config`` or the one ``generate()`` made).
+        prompts, max_new_tokens: per prompt, its token ids (no padding) and its new-token budget (tokens).
+        processors_first, processors_last: per prompt, processors run before / after its list (score recorders).
+
+    Returns:
+        ``(params, stopping_criteria)`` as ``sampling_params_from_generation_config``.
+    """
+    criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    params = [
+        request_sampling_params(
+            model, gc, prompt, max_new, logits_processor=logits_processor,
+            extra_processors_first=processors_first[i] if processors_first else (),
+            extra_processors_last=processors_last[i] if processors_last else (),
+        )
+        for i, (prompt, max_new) in enumerate(zip(prompts, max_new_tokens, strict=True))
+    ]
+    return params, ({str(i): criteria for i in range(len(prompts))} if criteria else None)
 
 
 def request_sampling_params(
-    model,
-    gc: GenerationConfig,
-    prompt_token_ids: list[int],
-    max_new_tokens: int,
-    *,
-    logits_processor: Iterable | None = None,
-    extra_processors_first: Iterable = (),
-    extra_processors_last: Iterable = (),
-    seed: int | None = None,
+    model, gc: GenerationConfig, prompt_token_ids: list[int], max_new_tokens: int, *,
+    logits_processor: Iterable | None = None, extra_processors_first: Iterable = (),
+    extra_processors_last: Iterable = (), seed: int | None = None,
 ) -> SamplingParams:
     """``SamplingParams`` that make the engine sample one request as ``generate()`` would sample it alone.
 
     Args:
-        model: the transformers model (its ``_get_logits_processor`` builds the processor list).
+        model: the transformers model (it builds the processor list, ``compat.build_logits_processors``).
         gc: a prepared ``GenerationConfig`` (``prepare_generation_config`` or the one ``generate()`` made).
         prompt_token_ids: this request's prompt, no padding.
         max_new_tokens: new tokens at most for this request (>= 1).
@@ -154,10 +217,11 @@ def request_sampling_params(
         seed: per-request seed for ``do_sample`` (None: the global torch RNG, as ``generate()``).
 
     Returns:
-        ``SamplingParams`` with ``n=1``: greedy (``temperature=0``) or plain multinomial
-        (``temperature=1`` with no engine-side top-k/top-p: the warpers are in the processor list),
-        ``ignore_eos=True`` and ``stop_token_ids`` = the config's EOS ids inside the vocabulary, repetition penalty left to
-        the transformers processor.
+        ``SamplingParams`` with ``n=1``: greedy (``temperature=0``) or plain multinomial (``temperature=1``
+        with no engine-side top-k/top-p: the warpers are in the processor list), ``ignore_eos=True`` and
+        ``stop_token_ids`` = the config's EOS ids inside the vocabulary (an id outside it, e.g. GPT2Config's
+        default 50256 on a small vocab, can never be sampled: stock ``generate()`` warns and runs, so it is
+        dropped rather than refused by the engine), repetition penalty left to the transformers processor.
 
     Raises:
         NotImplementedError: an option the engine cannot honour (``check_engine_supported``).
@@ -166,34 +230,80 @@ def request_sampling_params(
     check_engine_supported(gc)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 for every request, got {max_new_tokens}")
-    prompt_len = len(prompt_token_ids)
+    row_gc = _request_generation_config(gc, len(prompt_token_ids), max_new_tokens)
+    processors = compat.build_logits_processors(
+        model, row_gc, prompt_token_ids, LogitsProcessorList(instantiate_per_request(logits_processor))
+    )
+    vocab_size = model.config.get_text_config().vocab_size
+    return SamplingParams(
+        n=1, temperature=1.0 if gc.do_sample else 0.0, seed=seed, max_tokens=max_new_tokens, ignore_eos=True,
+        stop_token_ids=[t for t in eos_token_ids(gc) if 0 <= t < vocab_size],
+        logits_processors=[*extra_processors_first, *processors, *extra_processors_last],
+    )
+
+
+def _request_generation_config(gc: GenerationConfig, prompt_len: int, max_new_tokens: int) -> GenerationConfig:
+    """A shallow copy of ``gc`` whose length limits are this request's own (tokens)."""
     row_gc = copy.copy(gc)
     # NOTE: length-based processors (ForcedEOS at max_length - 1, MinLength) see this request's own
     # length, so express the limits in it: prompt_len + the request's new-token budget.
     row_gc.max_length = prompt_len + max_new_tokens
     if gc.min_length:
         row_gc.min_length = prompt_len + max(0, gc.min_length - (gc.max_length - max_new_tokens))
-    device = next(model.parameters()).device
-    processors = model._get_logits_processor(
-        generation_config=row_gc,
-        input_ids_seq_length=prompt_len,
-        encoder_input_ids=torch.tensor([prompt_token_ids], dtype=torch.int64, device=device),
-        prefix_allowed_tokens_fn=None,
-        logits_processor=LogitsProcessorList(instantiate_per_request(logits_processor)),
-        device=device,
-        model_kwargs={},
-    )
-    return SamplingParams(
-        n=1,
-        temperature=1.0 if gc.do_sample else 0.0,
-        seed=seed,
-        max_tokens=max_new_tokens,
-        ignore_eos=True,
-        # an EOS id outside the vocabulary (GPT2Config's default 50256 on a small vocab) can never be sampled:
-        # stock generate() warns and runs, so it is dropped here rather than refused by the engine
-        stop_token_ids=[t for t in eos_token_ids(gc) if 0 <= t < model.config.get_text_config().vocab_size],
-        logits_processors=[*extra_processors_first, *processors, *extra_processors_last],
-    )
+    return row_gc
+
+
+def sampling_params_fields(gc: GenerationConfig) -> dict[str, Any]:
+    """``SamplingParams`` fields for a ``GenerationConfig`` without a model: ``SamplingParams.from_generation_config``.
+
+    ``do_sample=False`` becomes ``temperature=0``; ``max_new_tokens`` becomes ``max_tokens`` (unset: the
+    ``SamplingParams`` default); ``min_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``, ``num_return_sequences`` (as ``n``) carry over.
+
+    Raises:
+        NotImplementedError: ``num_beams > 1``, or an option that needs a transformers logits processor or
+            stopping criterion (``_PROCESSOR_FIELDS``), naming it.
+    """
+    if getattr(gc, "num_beams", 1) not in (None, 1):
+        raise NotImplementedError(f"GenerationConfig.num_beams={gc.num_beams} (beam search) is not supported by the paged engine")
+    needs_processors = [
+        f"{name}={getattr(gc, name)!r}" for name, neutral in _PROCESSOR_FIELDS.items()
+        if getattr(gc, name, neutral) not in (neutral, None) and not (name == "typical_p" and not gc.do_sample)
+    ]
+    if needs_processors:
+        raise NotImplementedError(
+            f"SamplingParams.from_generation_config cannot map GenerationConfig options {', '.join(needs_processors)}; "
+            "use paged_generate(..., generation_config=gc) or the patched model.generate(), which run "
+            "transformers' own logits processors per request"
+        )
+    fields: dict[str, Any] = {"temperature": 0.0}
+    if gc.do_sample:
+        fields.update(
+            temperature=gc.temperature if gc.temperature is not None else 1.0,
+            top_k=gc.top_k or 0,
+            top_p=gc.top_p if gc.top_p is not None else 1.0,
+            min_p=gc.min_p or 0.0,
+        )
+    if gc.max_new_tokens is not None:
+        fields["max_tokens"] = gc.max_new_tokens
+    if gc.min_new_tokens:
+        fields["min_tokens"] = gc.min_new_tokens
+    if gc.repetition_penalty is not None:
+        fields["repetition_penalty"] = gc.repetition_penalty
+    if gc.num_return_sequences:
+        fields["n"] = gc.num_return_sequences
+    return fields
+
+
+# GenerationConfig fields served by transformers logits processors / stopping criteria (not by
+# SamplingParams fields), with their neutral values.
+_PROCESSOR_FIELDS = {
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+    "watermarking_config": None, "stop_strings": None, "max_time": None, "renormalize_logits": False,
+    "min_length": 0, "encoder_repetition_penalty": 1.0, "top_h": None,
+}
 
 
 class ScoreRecorder(LogitsProcessor):

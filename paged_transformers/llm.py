@@ -248,10 +248,8 @@ class LLM:
         params_list = params_per_prompt(sampling_params, len(parsed))
         # (a request refused midway leaves none queued: attached_engine aborts unfinished requests on exit)
         with warm.attached_engine(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
-            outputs = run_to_completion(engine, [p for p, _ in parsed], params_list, use_tqdm=use_tqdm)
-        for out, (_, text) in zip(outputs, parsed):
-            out.prompt = text
-        return outputs
+            return run_to_completion(engine, [p for p, _ in parsed], params_list, use_tqdm=use_tqdm,
+                                     texts=[text for _, text in parsed])
 
 
 class ModelEngine(LLM):

@@ -21,6 +21,7 @@ import torch
 from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata
 from .cache import PagedCache
+from .compat import attn_implementation
 from .input_batch import InputBatch
 from .messages import SchedulerOutput
 from .weights import WeightsChange
@@ -114,7 +115,7 @@ class ModelRunner:
         fuse_projections: bool | None = None,
         cpu_prepack_weights: bool | None = None,
     ):
-        assert model.config._attn_implementation == ATTENTION_NAME, model.config._attn_implementation
+        assert attn_implementation(model.config) == ATTENTION_NAME, attn_implementation(model.config)
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if value <= 0:

@@ -152,48 +152,9 @@ class SamplingParams:
                 ``bad_words_ids``, ``stop_strings``, ...: use ``paged_generate(generation_config=...)``),
                 naming it.
         """
-        gc = generation_config
-        if getattr(gc, "num_beams", 1) not in (None, 1):
-            raise NotImplementedError(f"GenerationConfig.num_beams={gc.num_beams} (beam search) is not supported by the paged engine")
-        needs_processors = [
-            f"{name}={getattr(gc, name)!r}" for name, neutral in _PROCESSOR_FIELDS.items()
-            if getattr(gc, name, neutral) not in (neutral, None) and not (name == "typical_p" and not gc.do_sample)
-        ]
-        if needs_processors:
-            raise NotImplementedError(
-                f"SamplingParams.from_generation_config cannot map GenerationConfig options {', '.join(needs_processors)}; "
-                "use paged_generate(..., generation_config=gc) or the patched model.generate(), which run "
-                "transformers' own logits processors per request"
-            )
-        kwargs: dict[str, Any] = {"temperature": 0.0}
-        if gc.do_sample:
-            kwargs.update(
-                temperature=gc.temperature if gc.temperature is not None else 1.0,
-                top_k=gc.top_k or 0,
-                top_p=gc.top_p if gc.top_p is not None else 1.0,
-                min_p=gc.min_p or 0.0,
-            )
-        if gc.max_new_tokens is not None:
-            kwargs["max_tokens"] = gc.max_new_tokens
-        if gc.min_new_tokens:
-            kwargs["min_tokens"] = gc.min_new_tokens
-        if gc.repetition_penalty is not None:
-            kwargs["repetition_penalty"] = gc.repetition_penalty
-        if gc.num_return_sequences:
-            kwargs["n"] = gc.num_return_sequences
-        kwargs.update(overrides)
-        return cls(**kwargs)
+        from .generation_config import sampling_params_fields  # (generation_config imports this module)
 
-
-# GenerationConfig fields served by transformers logits processors / stopping criteria (not by
-# SamplingParams fields), with their neutral values; see generation_config.py.
-_PROCESSOR_FIELDS = {
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
-    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
-    "watermarking_config": None, "stop_strings": None, "max_time": None, "renormalize_logits": False,
-    "min_length": 0, "encoder_repetition_penalty": 1.0, "top_h": None,
-}
+        return cls(**{**sampling_params_fields(generation_config), **overrides})
 
 
 def _is_int(value) -> bool:

@@ -203,6 +203,7 @@ def attached_engine(
         >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from paged_transformers import SamplingParams
+        >>> from paged_transformers.compat import attn_implementation
         >>> from paged_transformers.warm import attached_engine
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
         <...>
@@ -212,7 +213,7 @@ def attached_engine(
         ...     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
         ...     while engine.has_unfinished_requests():
         ...         outs = engine.step()
-        >>> len(outs[0].outputs[0].token_ids), model.config._attn_implementation != "paged_transformers"
+        >>> len(outs[0].outputs[0].token_ids), attn_implementation(model.config) != "paged_transformers"
         (2, True)
     """
     limit = engine_config.max_model_len if isinstance(engine_config, EngineConfig) else None

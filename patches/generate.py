@@ -43,12 +43,16 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationMixin
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache import PagedCache
+from ..compat import (
+    PATCHED_GENERATION_METHODS, GenerateDecoderOnlyOutput, can_set_attn_implementation, is_user_defined_cache,
+    original_generation_method, pad_token_id,
+)
 from ..config import EngineConfig
-from ..generation_config import ENGINE_MODES, ScoreRecorder, request_sampling_params
 from ..engine import run_engine
+from ..generation_config import ENGINE_MODES, ScoreRecorder, sampling_params_for_prompts
+from ..padding import left_padding, unpadded_prompts
 from ..warm import attached_engine, current_engine, release
 from .loading import patch_from_pretrained, unpatch_from_pretrained
 from .pipeline import patch_pipeline, unpatch_pipeline
@@ -139,9 +143,10 @@ def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
     patch_from_pretrained()
     patch_pipeline()
     if not _ORIGINALS:
-        for name, replacement in (("generate", _generate), ("_sample", _sample), ("_beam_search", _beam_search)):
-            _ORIGINALS[name] = GenerationMixin.__dict__[name]
-            setattr(GenerationMixin, name, functools.wraps(_ORIGINALS[name])(replacement))
+        replacements = {"generate": _generate, "_sample": _sample, "_beam_search": _beam_search}
+        for name in PATCHED_GENERATION_METHODS:
+            _ORIGINALS[name] = original_generation_method(name)
+            setattr(GenerationMixin, name, functools.wraps(_ORIGINALS[name])(replacements[name]))
     return PatchHandle()
 
 
@@ -189,17 +194,18 @@ def _generate(self, *args, **kwargs):
 
 def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None, **model_kwargs):
     call = _CALL.get()
-    reason = None if call is None or call.model is not self else _engine_blocker(
-        self, call, input_ids, generation_config, synced_gpus, streamer, model_kwargs
+    if call is not None and call.model is self:
+        reason = _engine_blocker(self, call, input_ids, generation_config, synced_gpus, streamer, model_kwargs)
+        if reason is None:
+            pad_lens, reason = _prompt_padding(input_ids, model_kwargs.get("attention_mask"))
+        if reason is None:
+            prompts = unpadded_prompts(input_ids, pad_lens)
+            return _engine_generate(self, call, input_ids, prompts, stopping_criteria, generation_config, streamer)
+        _log_once(reason)
+    return _ORIGINALS["_sample"](
+        self, input_ids, logits_processor, stopping_criteria, generation_config,
+        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
     )
-    if call is None or call.model is not self or reason is not None:
-        if reason is not None:
-            _log_once(reason)
-        return _ORIGINALS["_sample"](
-            self, input_ids, logits_processor, stopping_criteria, generation_config,
-            synced_gpus=synced_gpus, streamer=streamer, **model_kwargs,
-        )
-    return _engine_generate(self, call, input_ids, stopping_criteria, generation_config, streamer, model_kwargs)
 
 
 def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, **model_kwargs):
@@ -208,7 +214,7 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
     cache = model_kwargs.get(key)
     if (
         call is not None and call.model is self and generation_config.use_cache and cache is not None
-        and not isinstance(cache, PagedCache) and not getattr(cache, "_is_user_defined", False)
+        and not isinstance(cache, PagedCache) and not is_user_defined_cache(cache)
         and not self.config.is_encoder_decoder
     ):
         _log_once("beam search is served by stock generate() on a PagedCache, not by the engine")
@@ -239,7 +245,7 @@ def _engine_blocker(model, call: _Call, input_ids, gc, synced_gpus, streamer, mo
         return "synced_gpus"
     if model.config.is_encoder_decoder:
         return "encoder-decoder models"
-    if not model._can_set_attn_implementation():
+    if not can_set_attn_implementation(model):
         return f"{type(model).__name__} (its attention cannot be replaced)"
     if streamer is not None and input_ids.shape[0] > 1:
         return "a streamer with more than one row"
@@ -256,15 +262,8 @@ def _engine_blocker(model, call: _Call, input_ids, gc, synced_gpus, streamer, mo
     if extra:
         return f"model inputs {extra}"
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is not None and getattr(cache, "_is_user_defined", False):
+    if cache is not None and is_user_defined_cache(cache):
         return "a user-given cache"
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None:
-        mask = mask.to(torch.int64)
-        if bool((mask.cumsum(-1) == 0).sum(-1).add(mask.sum(-1)).ne(mask.shape[1]).any()):
-            return "an attention_mask that is not left padding"
-        if bool((mask.sum(-1) == 0).any()):
-            return "an all-padding row"
     # NOTE: the engine holds at most max_position_embeddings tokens per sequence (its max_model_len) and
     # caps there; stock code computes rotary positions for any length, so a RoPE model past the limit runs
     # stock code and returns what stock returns (learned position tables were refused above).
@@ -274,6 +273,18 @@ def _engine_blocker(model, call: _Call, input_ids, gc, synced_gpus, streamer, mo
     if gc.max_length <= input_ids.shape[1]:
         return "no new tokens to generate"
     return None
+
+
+def _prompt_padding(input_ids, attention_mask) -> tuple[list[int] | None, str | None]:
+    """``(pad_lens, None)``: each row's left padding (``padding.left_padding``, tokens); or ``(None, reason)`` for a
+    mask the engine cannot serve (stock code runs it)."""
+    try:
+        pad_lens = left_padding(attention_mask, input_ids.shape[0])
+    except ValueError:
+        return None, "an attention_mask that is not left padding"
+    if any(pad == input_ids.shape[1] for pad in pad_lens):
+        return None, "an all-padding row"
+    return pad_lens, None
 
 
 # Module names of learned absolute-position tables (``nn.Embedding``): GPT-2 / GPT-Neo / GPTBigCode ``wpe``,
@@ -307,21 +318,21 @@ def _check_position_table(model, input_ids, gc) -> None:
     )
 
 
-def _engine_generate(model, call: _Call, input_ids, stopping_criteria, gc, streamer, model_kwargs):
-    """Serve a greedy / sampling ``generate()`` call with the engine and rebuild stock's output."""
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+def _engine_generate(model, call: _Call, input_ids, prompts: list[list[int]], stopping_criteria, gc, streamer):
+    """Serve a greedy / sampling ``generate()`` call with the engine and rebuild stock's output.
 
+    ``input_ids``: ``[batch, prompt_len]`` int64, left-padded; ``prompts``: its rows without the padding."""
     num_rows, prompt_len = input_ids.shape
-    mask = model_kwargs.get("attention_mask")
-    pad_lens = [0] * num_rows if mask is None else (mask.to(torch.int64).cumsum(-1) == 0).sum(-1).tolist()
-    prompts = [input_ids[r, pad_lens[r]:].tolist() for r in range(num_rows)]
     max_new = gc.max_length - prompt_len  # stock: every row gets max_length - padded prompt length
-    # MaxLength and EOS are the engine's max_tokens and stop_token_ids; the rest run per request.
-    criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     want_scores = gc.return_dict_in_generate and gc.output_scores
     want_logits = gc.return_dict_in_generate and gc.output_logits
     raw = [ScoreRecorder() for _ in range(num_rows)] if want_logits else None
     processed = [ScoreRecorder() for _ in range(num_rows)] if want_scores else None
+    params, criteria = sampling_params_for_prompts(
+        model, gc, prompts, [max_new] * num_rows, logits_processor=call.logits_processor,
+        stopping_criteria=stopping_criteria, processors_first=[[rec] for rec in raw] if raw else None,
+        processors_last=[[rec] for rec in processed] if processed else None,
+    )
 
     finals = {}
     before = current_engine(model)
@@ -329,12 +340,8 @@ def _engine_generate(model, call: _Call, input_ids, stopping_criteria, gc, strea
         if engine is not before:
             _DROP_IN_MODELS.add(model)
         for r, prompt in enumerate(prompts):
-            params = request_sampling_params(
-                model, gc, prompt, max_new, logits_processor=call.logits_processor,
-                extra_processors_first=[raw[r]] if raw else [], extra_processors_last=[processed[r]] if processed else [],
-            )
-            engine.add_request(str(r), prompt, params)
-        for outputs in run_engine(engine, {str(r): criteria for r in range(num_rows)} if criteria else None):
+            engine.add_request(str(r), prompt, params[r])
+        for outputs in run_engine(engine, criteria):
             for out in outputs:
                 if streamer is not None:
                     streamer.put(torch.tensor(out.outputs[0].token_ids[-1:], dtype=torch.int64))
@@ -343,8 +350,8 @@ def _engine_generate(model, call: _Call, input_ids, stopping_criteria, gc, strea
     if streamer is not None:
         streamer.end()
 
-    pad = gc._pad_token_tensor if getattr(gc, "_pad_token_tensor", None) is not None else gc.pad_token_id
-    pad = int(pad) if pad is not None else 0
+    pad = pad_token_id(gc)
+    pad = pad if pad is not None else 0
     new_len = max(len(finals[r].token_ids) for r in range(num_rows))
     sequences = torch.full((num_rows, prompt_len + new_len), pad, dtype=input_ids.dtype, device=input_ids.device)
     sequences[:, :prompt_len] = input_ids

@@ -338,3 +338,21 @@ def test_eos_id_outside_the_vocabulary_runs_as_stock(engine_count):
     with paged_transformers.patch():
         assert torch.equal(model.generate(ids, **kwargs), stock)
     assert len(engine_count) == 1
+
+
+def test_left_padding_of_a_mask():
+    """padding.left_padding (the one place the patch reads the padding from) against a per-row count; a 0 after
+    a 1 is refused, naming the rows."""
+    from paged_transformers.padding import left_padding, unpadded_prompts
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 7, (9,), generator=g).tolist()  # real tokens per row, 0 = all padding
+    mask = torch.tensor([[0] * (6 - n) + [1] * n for n in lens], dtype=torch.bool)
+    assert left_padding(mask) == [6 - n for n in lens]
+    ids = torch.arange(9 * 6).view(9, 6)
+    assert unpadded_prompts(ids, left_padding(mask)) == [row[6 - n:] for row, n in zip(ids.tolist(), lens)]
+    assert left_padding(None, num_rows=3) == [0, 0, 0]
+    with pytest.raises(ValueError, match=r"rows \[1\] have a 0 after a 1"):
+        left_padding(torch.tensor([[0, 1, 1], [1, 1, 0], [1, 1, 1]]))
+    with pytest.raises(ValueError, match="must be"):
+        left_padding(torch.ones(3))

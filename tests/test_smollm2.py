@@ -72,3 +72,29 @@ def test_capital_of_france(smollm2):
     assert "Paris" in completion.text, completion.text
     assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
     assert out.prompt == "The capital of France is"
+
+
+@pytest.mark.parametrize("entry", ["sampling_params", "generation_config", "llm"])
+def test_a_string_prompt_is_tokenized_once_per_call(smollm2, monkeypatch, entry):
+    """paged_generate (with SamplingParams or from a GenerationConfig) and LLM.generate tokenize each string prompt
+    once, and still report it and complete it as stock generate() does on its token ids."""
+    from transformers import GenerationConfig
+
+    from paged_transformers import LLM
+
+    model, tokenizer = smollm2
+    text = "The capital of France is"
+    calls = []
+    original = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, *a, **k: calls.append(a[:1]) or original(self, *a, **k))
+    if entry == "llm":
+        (out,) = LLM(model, tokenizer=tokenizer).generate([text], SamplingParams(temperature=0.0, max_tokens=4),
+                                                          use_tqdm=False)
+    else:
+        given = {"sampling_params": SamplingParams(temperature=0.0, max_tokens=4)} if entry == "sampling_params" else {
+            "generation_config": GenerationConfig(do_sample=False, max_new_tokens=4)}
+        (out,) = paged_generate(model, [text], tokenizer=tokenizer, use_tqdm=False, **given)
+    assert calls == [(text,)]
+    prompt_ids = original(tokenizer, text).input_ids
+    assert out.prompt == text and out.prompt_token_ids == prompt_ids
+    assert out.outputs[0].token_ids == stock_greedy(model, prompt_ids, 4)[0]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..compat import attn_implementation, workload_hints
 from ..config import EngineConfig
 from .workload import BenchRequest
 
@@ -235,17 +236,12 @@ def run_hf_cb(model, requests: list[BenchRequest]) -> EngineResult:
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
-    previous_attn = model.config._attn_implementation
+    previous_attn = attn_implementation(model.config)
     max_new = max(r.output_len for r in requests)
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1, pad_token_id=0)
-    kwargs = {}
-    try:
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-
-        kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
-                                                 max_generated_length=max_new, num_requests=len(requests))
-    except ImportError:
-        pass
+    hints = workload_hints(max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
+                           max_generated_length=max_new, num_requests=len(requests))
+    kwargs = {} if hints is None else {"workload_hints": hints}
     _peak_reset(device)
     results = {}
     try:

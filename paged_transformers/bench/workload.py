@@ -40,6 +40,8 @@ def build_model(name: str, dtype: torch.dtype, device: str, quantization: str | 
     """
     import transformers
 
+    from ..compat import model_from_config
+
     if name not in MODEL_SHAPES:
         if quantization is not None:
             raise ValueError(f"--quantization applies to named shapes {sorted(MODEL_SHAPES)}, not to {name!r}")
@@ -62,7 +64,7 @@ def build_model(name: str, dtype: torch.dtype, device: str, quantization: str | 
 
         return build_random_quantized_model(config, quantization, bits, group_size, dtype, device).eval()
     with torch.device(device):
-        model = model_cls._from_config(config, dtype=dtype)
+        model = model_from_config(model_cls, config, dtype)
     return model.eval()
 
 

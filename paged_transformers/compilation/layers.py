@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 import torch.fx.experimental._config as fx_config
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers import GradientCheckpointingLayer
 
 from .gemv_routing import DecodeLinearPass
 
