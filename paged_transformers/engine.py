@@ -22,6 +22,7 @@ import torch
 
 from .attention import resolve_backend
 from .cache import PagedCache
+from .compat import can_set_attn_implementation
 from .config import EngineConfig
 from .engine_inputs import check_sampling_params, tokenize, validate_prompt
 from .engine_lifecycle import EngineLifecycle, check_loaded_model, check_not_attached, eos_token_ids
@@ -369,9 +370,9 @@ def _model_limits(model: torch.nn.Module, config: EngineConfig) -> tuple[int, in
             ``max_model_len`` known; ``max_model_len`` over the model's ``max_position_embeddings``.
     """
     text_config = model.config.get_text_config()
-    # NOTE: _can_set_attn_implementation is transformers' own source heuristic; it says True for
+    # NOTE: can_set_attn_implementation is transformers' own source heuristic; it says True for
     # models with no attention class at all (Mamba), so the config must also name attention heads.
-    if not getattr(text_config, "num_attention_heads", None) or not getattr(model, "_can_set_attn_implementation", lambda: False)():
+    if not getattr(text_config, "num_attention_heads", None) or not can_set_attn_implementation(model):
         raise ValueError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             "so the paged engine cannot replace its attention"

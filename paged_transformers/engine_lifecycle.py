@@ -12,6 +12,7 @@ import os
 import torch
 
 from .attention import ATTENTION_NAME, install_step_hooks
+from .compat import attn_implementation
 from .weights import StaleWeightsError, WeightsChange, WeightsSnapshot
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ class EngineLifecycle:
 
     def _install(self) -> None:
         """Our attention implementation and the step hooks on the model (the runner's modules: ``runner.attach``)."""
-        self._previous_attn = self.model.config._attn_implementation
+        self._previous_attn = attn_implementation(self.model.config)
         self.model.set_attn_implementation(ATTENTION_NAME)
         self._step_hooks = install_step_hooks(self.model)
         self.attached = True
@@ -32,7 +33,7 @@ class EngineLifecycle:
         for hook in self._step_hooks:
             hook.remove()
         self._step_hooks = []
-        if self.model.config._attn_implementation == ATTENTION_NAME:
+        if attn_implementation(self.model.config) == ATTENTION_NAME:
             self.model.set_attn_implementation(self._previous_attn)
         self.attached = False
 
@@ -157,9 +158,9 @@ class EngineLifecycle:
                                "call attach() first")
         if self.sleeping:
             raise RuntimeError("this LLMEngine is asleep (its KV pool is freed); call wake_up() first")
-        if self.model.config._attn_implementation != ATTENTION_NAME:
+        if attn_implementation(self.model.config) != ATTENTION_NAME:
             raise RuntimeError(
-                f"the model's attn_implementation is {self.model.config._attn_implementation!r}, not {ATTENTION_NAME!r}: "
+                f"the model's attn_implementation is {attn_implementation(self.model.config)!r}, not {ATTENTION_NAME!r}: "
                 "it was switched while this engine was open (another engine on the same model closed?); use one "
                 "engine per model at a time"
             )
@@ -187,7 +188,7 @@ def check_loaded_model(model) -> None:
 
 def check_not_attached(model: torch.nn.Module) -> None:
     """Raises ValueError when an engine is attached to ``model`` (its attn_implementation is ours)."""
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME:
+    if hasattr(model, "config") and attn_implementation(model.config) == ATTENTION_NAME:
         raise ValueError(
             f"this model's attn_implementation is already {ATTENTION_NAME!r}: another LLMEngine (or paged_generate) "
             "is open on it; close that engine first (one engine per model at a time), or switch the model back "

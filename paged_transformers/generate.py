@@ -7,11 +7,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine, check_loaded_model
+from .engine import LLMEngine, check_loaded_model, run_engine
 from .generation_config import sampling_params_from_generation_config
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-from .engine import run_engine
 from .warm import attached_engine
 
 

@@ -81,7 +81,7 @@ def test_beam_search_generate_goes_through_beam_search(tiny_model, monkeypatch):
 def test_prepare_generation_config_merges_like_generate(tiny_model, monkeypatch):
     """The config compat prepares equals the one stock generate() hands ``_sample``."""
     model = tiny_model("llama")
-    model.generation_config.eos_token_id = [3, 4]
+    monkeypatch.setattr(model.generation_config, "eos_token_id", [3, 4])  # the model is shared: restored after
     user = GenerationConfig(max_new_tokens=5, do_sample=True, top_k=7)
     gc, model_kwargs = compat.prepare_generation_config(model, GenerationConfig(**user.to_dict()), not_an_option=1)
     assert model_kwargs == {"not_an_option": 1}
@@ -111,7 +111,7 @@ def test_build_logits_processors_builds_generate_list(tiny_model):
     assert (penalized[0] < 1).nonzero().flatten().tolist() == [1, 2, 3]
 
 
-def test_eos_and_pad_ids_of_a_config_as_generate_pads(tiny_model):
+def test_eos_and_pad_ids_of_a_config_as_generate_pads(tiny_model, monkeypatch):
     """Unprepared: the config's own ids. Prepared without a pad id: generate() pads finished rows with EOS."""
     assert compat.eos_token_ids(GenerationConfig(eos_token_id=5)) == [5]
     assert compat.eos_token_ids(GenerationConfig(eos_token_id=[5, 6])) == [5, 6]
@@ -119,7 +119,7 @@ def test_eos_and_pad_ids_of_a_config_as_generate_pads(tiny_model):
     assert compat.pad_token_id(GenerationConfig(pad_token_id=9)) == 9
     assert compat.pad_token_id(GenerationConfig()) is None
     model = tiny_model("llama")
-    model.generation_config.pad_token_id = None
+    monkeypatch.setattr(model.generation_config, "pad_token_id", None)  # the model is shared: restored after
     gc, _ = compat.prepare_generation_config(model, GenerationConfig(eos_token_id=7, max_new_tokens=2))
     assert compat.pad_token_id(gc) == 7
 
