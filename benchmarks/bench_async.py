@@ -166,7 +166,7 @@ def main() -> None:
 
     from paged_transformers.bench import build_model
     from paged_transformers.config import EngineConfig
-    from paged_transformers.engine import LLMEngine
+    from paged_transformers.core.engine import LLMEngine
 
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32

@@ -34,8 +34,8 @@ import paged_transformers
 from bench_cpu import make_prompts
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams
 from paged_transformers.default_model import default_model_path
-from paged_transformers.generate import run_to_completion
-from paged_transformers.warm import engine_for
+from paged_transformers.integration.generate import run_to_completion
+from paged_transformers.integration.warm import engine_for
 
 STOCK_GENERATE = GenerationMixin.generate  # captured before patch(): stock generate() while patched
 

@@ -99,7 +99,7 @@ def _sample_compute_s(sampler, logits, seqs, repeats: int = 3) -> float:
     """Time of the sampler's vocab-wide tensor work alone on ``logits``: what a GPU would run."""
     import torch
 
-    from paged_transformers.draw import draw
+    from paged_transformers.core.draw import draw
 
     params = [s.sampling_params for s in seqs]
     rows = [i for i, p in enumerate(params) if not p.greedy]

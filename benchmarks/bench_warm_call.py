@@ -23,7 +23,7 @@ import transformers
 
 import paged_transformers
 from paged_transformers import LLMEngine
-from paged_transformers.warm import attached_engine
+from paged_transformers.integration.warm import attached_engine
 
 SHAPES = {
     "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

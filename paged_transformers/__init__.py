@@ -8,17 +8,17 @@ Public API::
     from paged_transformers import engine_for, release       # the model's warm engine; free it
 """
 
-from .cache import PagedCache
+from .integration.cache import PagedCache
 from .config import AttentionBackend, EngineConfig
-from .engine import LLMEngine
-from .generate import paged_generate
-from .llm import LLM, ModelEngine
+from .core.engine import LLMEngine
+from .integration.generate import paged_generate
+from .entrypoints.llm import LLM, ModelEngine
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
-from .generation_config import PerRequest
+from .integration.generation_config import PerRequest
 from .patches import patch, unpatch
 from .quantization import load_model
-from .warm import engine_for, release
+from .integration.warm import engine_for, release
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ import time
 import torch
 
 from .default_model import default_model_path
-from .llm import LLM
+from .entrypoints.llm import LLM
 from .sampling_params import SamplingParams
 
 

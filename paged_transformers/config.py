@@ -55,7 +55,7 @@ class EngineConfig:
             or too few free blocks run synchronously. Outputs are the same as with False, the
             synchronous loop (``LLMEngine.step``), for greedy and seeded requests; unseeded random
             sampling draws from the global generator in another order, so its tokens differ.
-        cpu_prepack_weights: give the eager fp32 CPU projections (oneDNN, on x86-64; ``paged_transformers.cpu_linear``)
+        cpu_prepack_weights: give the eager fp32 CPU projections (oneDNN, on x86-64; ``paged_transformers.core.cpu_linear``)
             packed copies of their weights in oneDNN's blocked layout, which oneDNN otherwise reorders at every
             product (SmolLM2-135M, 16 new tokens, one thread: patched ``generate()`` 1.44x faster at batch 8,
             1.16x at batch 1).

@@ -10,7 +10,7 @@ class CompletionOutput:
     Attributes:
         index: which of the request's ``n`` sequences.
         text: the decoded output, once the request has finished ('' before that, and without a tokenizer;
-            ``paged_transformers.streaming.stream`` yields text as it is generated); cut before a matched
+            ``paged_transformers.integration.streaming.stream`` yields text as it is generated); cut before a matched
             ``stop`` string.
         token_ids: output token ids (EOS / stop token included when it ended the sequence).
         cumulative_logprob: sum of the sampled tokens' logprobs, when ``logprobs`` was asked for.

@@ -152,7 +152,7 @@ class SamplingParams:
                 ``bad_words_ids``, ``stop_strings``, ...: use ``paged_generate(generation_config=...)``),
                 naming it.
         """
-        from .generation_config import sampling_params_fields  # (generation_config imports this module)
+        from .integration.generation_config import sampling_params_fields  # (generation_config imports this module)
 
         return cls(**{**sampling_params_fields(generation_config), **overrides})
 

@@ -9,7 +9,7 @@
   a user ``PagedCache`` is told the prompt padding;
 - ``_sample`` (greedy and sampling): instead of stock's padded loop, each batch row becomes one
   engine request (left padding stripped; its own processor list built for its own prompt; see
-  ``paged_transformers.generation_config``), the engine runs them with continuous batching, and the
+  ``paged_transformers.integration.generation_config``), the engine runs them with continuous batching, and the
   result is rebuilt as stock returns it: ``[batch, prompt_len + new]`` with the left-padded prompt,
   rows that finished early right-padded with ``pad_token_id``; with ``return_dict_in_generate`` a
   ``GenerateDecoderOnlyOutput`` with ``scores``/``logits`` when asked (one ``[batch, vocab]`` tensor
@@ -21,7 +21,7 @@ Whatever the engine cannot serve runs stock code, after a one-time log message: 
 DoLa / contrastive / constrained / group beam search, ``output_attentions`` / ``output_hidden_states``,
 classifier-free guidance, ``prefix_allowed_tokens_fn``, a streamer with more than one row, extra model
 inputs (e.g. ``pixel_values``), a user cache that is not a ``PagedCache``, right padding, encoder-decoder
-models. The calls run on the model's warm engine (``paged_transformers.warm``), made once and kept between calls
+models. The calls run on the model's warm engine (``paged_transformers.integration.warm``), made once and kept between calls
 (KV pool, compiled layers, CUDA graphs) with the patch's ``engine_config`` or, without one, whatever engine the
 model has warm; each row is one request. Plain ``model(...)`` forwards and training never see the paged
 attention: the engine is attached to the model only while a call runs. A call whose rows need more than the
@@ -44,16 +44,16 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationMixin
 
-from ..cache import PagedCache
-from ..compat import (
+from ..integration.cache import PagedCache
+from ..integration.compat import (
     PATCHED_GENERATION_METHODS, GenerateDecoderOnlyOutput, can_set_attn_implementation, is_user_defined_cache,
     original_generation_method, pad_token_id,
 )
 from ..config import EngineConfig
-from ..engine import run_engine
-from ..generation_config import ENGINE_MODES, ScoreRecorder, sampling_params_for_prompts
-from ..padding import left_padding, unpadded_prompts
-from ..warm import attached_engine, current_engine, release
+from ..core.engine import run_engine
+from ..integration.generation_config import ENGINE_MODES, ScoreRecorder, sampling_params_for_prompts
+from ..integration.padding import left_padding, unpadded_prompts
+from ..integration.warm import attached_engine, current_engine, release
 from .loading import patch_from_pretrained, unpatch_from_pretrained
 from .pipeline import patch_pipeline, unpatch_pipeline
 

@@ -125,7 +125,7 @@ def profile_engine(batches: list[int], context: int, steps: int, compile_layers:
                    quantization: str | None = None) -> dict:
     from paged_transformers.bench import build_model
     from paged_transformers.config import EngineConfig
-    from paged_transformers.engine import LLMEngine
+    from paged_transformers.core.engine import LLMEngine
     from paged_transformers.sampling_params import SamplingParams
 
     model = build_model("llama-3-8b", torch.bfloat16, "cuda", quantization, 4, 128)

@@ -51,12 +51,13 @@ def main() -> None:
         assert not fx_config.backed_size_oblivious
     import torch._dynamo.utils
 
-    from paged_transformers import EngineConfig, SamplingParams, paged_generate, sizing
-    from paged_transformers import cache as cache_mod
-    from paged_transformers import runner as runner_mod
+    from paged_transformers import EngineConfig, SamplingParams, paged_generate
+    from paged_transformers.core import runner as runner_mod
+    from paged_transformers.core import sizing
+    from paged_transformers.integration import cache as cache_mod
     from paged_transformers.compilation import cuda_graphs as cuda_graphs_mod
     from paged_transformers.bench.workload import build_model
-    from paged_transformers.warm import engine_for
+    from paged_transformers.integration.warm import engine_for
 
     timed(sizing, "profile_activation_bytes")
     timed(cache_mod.PagedCache, "__init__")

@@ -18,7 +18,7 @@ margin of each step's raw logits.
 built during the test, checked after every step) check the KV pool.
 
 The models of ``make_tiny_model`` and ``smollm2`` are shared between tests, and every entry point keeps a warm
-engine on its model (``paged_transformers.warm``): ``release_warm_engines`` releases them after each test, so no
+engine on its model (``paged_transformers.integration.warm``): ``release_warm_engines`` releases them after each test, so no
 test runs on an engine (a config, a prefix cache) that another test left behind.
 """
 
@@ -260,7 +260,7 @@ def engine_spy(monkeypatch):
     Each checked engine runs ``check_block_invariants`` after every step and remembers every sequence
     it scheduled (``seen_seqs``), so a test can read ``num_preemptions`` and chunking afterwards.
     """
-    import paged_transformers.warm as warm_module
+    import paged_transformers.integration.warm as warm_module
     from paged_transformers import LLMEngine
 
     engines = []

@@ -17,9 +17,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from paged_transformers import prefix_cache
-from paged_transformers.block_manager import BlockCopy, BlockManager
-from paged_transformers.prefix_cache import extend_block_hashes, hash_block_tokens
+from paged_transformers.core import prefix_cache
+from paged_transformers.core.block_manager import BlockCopy, BlockManager
+from paged_transformers.core.prefix_cache import extend_block_hashes, hash_block_tokens
 
 BS = 4  # block_size in these tests
 

@@ -62,7 +62,7 @@ def test_close_restores_a_forward_set_on_the_instance(tiny_model):
 
 
 def test_interrupt_while_compiling_leaves_the_layers_eager(tiny_model, monkeypatch):
-    from paged_transformers.runner import ModelRunner
+    from paged_transformers.core.runner import ModelRunner
 
     model = tiny_model("llama", seed=4)
 

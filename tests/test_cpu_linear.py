@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import paged_transformers
 from conftest import make_tiny_model, random_prompts
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams
-from paged_transformers import cpu_linear
-from paged_transformers.warm import current_engine
+from paged_transformers.core import cpu_linear
+from paged_transformers.integration.warm import current_engine
 from test_patch import left_pad
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="oneDNN linear needs x86-64 torch with mkldnn")

@@ -183,7 +183,7 @@ def test_stopping_criteria_stop_the_request_like_a_stop_token(llama, async_sched
     """A transformers ``StoppingCriteria`` that fires at the 3rd output token ends the request there with
     finish_reason "stop" (the token kept, as generate() keeps it), as a finished request: its finish time is
     recorded and the pool is whole; the other request runs on unchanged (stock greedy)."""
-    from paged_transformers.engine import run_engine
+    from paged_transformers.core.engine import run_engine
 
     prompts = random_prompts(2, 5, 9, seed=41)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -208,7 +208,7 @@ def test_stopping_criteria_stop_the_request_like_a_stop_token(llama, async_sched
 
 
 def test_stopping_criteria_need_n_1(llama):
-    from paged_transformers.engine import run_engine
+    from paged_transformers.core.engine import run_engine
 
     with LLMEngine(llama, engine_config=EngineConfig(max_model_len=256)) as engine:
         engine.add_request("a", [1, 2, 3], SamplingParams(n=2, max_tokens=2))

@@ -193,7 +193,7 @@ def test_quantized_projections(method, desc_act):
 
 
 def test_compile_failure_unfuses(tiny_model, monkeypatch):
-    from paged_transformers.runner import ModelRunner
+    from paged_transformers.core.runner import ModelRunner
 
     model = tiny_model("llama", seed=14)
     mods, before = _projections(model), _snapshot(model)

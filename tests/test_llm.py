@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import paged_transformers.checkpoint as checkpoint_module
+import paged_transformers.integration.checkpoint as checkpoint_module
 from conftest import assert_pool_whole, make_tiny_model, stock_greedy
 from paged_transformers import LLM, EngineConfig, LLMEngine, ModelEngine, SamplingParams, paged_generate
-from paged_transformers import warm
+from paged_transformers.integration import warm
 from paged_transformers.default_model import default_model_path
 
 REPO = Path(__file__).resolve().parents[1]

@@ -343,7 +343,7 @@ def test_eos_id_outside_the_vocabulary_runs_as_stock(engine_count):
 def test_left_padding_of_a_mask():
     """padding.left_padding (the one place the patch reads the padding from) against a per-row count; a 0 after
     a 1 is refused, naming the rows."""
-    from paged_transformers.padding import left_padding, unpadded_prompts
+    from paged_transformers.integration.padding import left_padding, unpadded_prompts
 
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(0, 7, (9,), generator=g).tolist()  # real tokens per row, 0 = all padding

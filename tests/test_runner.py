@@ -7,7 +7,7 @@ import torch
 
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams
 from paged_transformers.compilation import Compilation, DecodeGraphs, graph_batch_sizes
-from paged_transformers.runner import ModelRunner
+from paged_transformers.core.runner import ModelRunner
 
 from conftest import engine_greedy, make_tiny_model, random_prompts, stock_greedy
 

@@ -171,8 +171,8 @@ def test_sampled_tokens_stay_in_the_support(llama, top_k, top_p, min_p):
 
 def _draws(logits_row: list[float], num: int, top_p_candidates: int = 256, **params) -> torch.Tensor:
     """``num`` seeded draws from one fixed logits row through the engine's sampler."""
-    from paged_transformers.sampling import Sampler
-    from paged_transformers.sequence import Sequence
+    from paged_transformers.core.sampling import Sampler
+    from paged_transformers.core.sequence import Sequence
 
     sp = SamplingParams(**params)
     seqs = [Sequence(str(i), 0, [0], sp, torch.Generator().manual_seed(i)) for i in range(num)]
@@ -211,8 +211,8 @@ def test_seeded_rows_with_top_k_or_top_p_ignore_the_batch():
     """A seeded row's draws do not depend on the other rows, also when they change how many candidates its
     top-k / top-p is computed on (another row's larger top_k, a top-p row whose nucleus is wider than the
     candidates) or which group it is drawn in (rows without filters, greedy rows)."""
-    from paged_transformers.sampling import Sampler
-    from paged_transformers.sequence import Sequence
+    from paged_transformers.core.sampling import Sampler
+    from paged_transformers.core.sequence import Sequence
 
     vocab = 300
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 2
@@ -267,8 +267,8 @@ def test_sample_tokens_batch_matches_a_torch_reference_and_sample():
     """``Sampler.sample_tokens`` (what the engine calls): greedy rows are the argmax, a failing processor
     fails only its row (token None), logprobs rows carry log_softmax of the raw logits; ``sample`` agrees
     row by row."""
-    from paged_transformers.sampling import Sampler
-    from paged_transformers.sequence import Sequence
+    from paged_transformers.core.sampling import Sampler
+    from paged_transformers.core.sequence import Sequence
 
     def broken(input_ids, scores):
         raise RuntimeError("boom")
@@ -337,8 +337,8 @@ def test_plus_inf_logit_under_sampling_fails_only_its_request(llama):
 def test_sampler_never_draws_from_undefined_probabilities(fill):
     """Logits with +inf or NaN straight from the model (no processor, the device-only path) fail their
     sampled row instead of yielding the index the NaNs put first; greedy rows keep argmax's answer."""
-    from paged_transformers.sampling import Sampler
-    from paged_transformers.sequence import Sequence
+    from paged_transformers.core.sampling import Sampler
+    from paged_transformers.core.sequence import Sequence
 
     vocab = 40
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))

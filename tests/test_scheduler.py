@@ -11,12 +11,12 @@ import random
 
 import pytest
 
-from paged_transformers.block_manager import BlockManager
+from paged_transformers.core.block_manager import BlockManager
 from paged_transformers.config import EngineConfig
-from paged_transformers.messages import ModelRunnerOutput
+from paged_transformers.core.messages import ModelRunnerOutput
 from paged_transformers.sampling_params import SamplingParams
-from paged_transformers.scheduler import Scheduler
-from paged_transformers.sequence import Sequence, SequenceStatus
+from paged_transformers.core.scheduler import Scheduler
+from paged_transformers.core.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, **config) -> Scheduler:

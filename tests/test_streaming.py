@@ -10,7 +10,7 @@ from transformers import TextIteratorStreamer
 
 import paged_transformers
 from paged_transformers import LLMEngine, SamplingParams
-from paged_transformers.streaming import IncrementalDetokenizer, stream
+from paged_transformers.integration.streaming import IncrementalDetokenizer, stream
 
 TEXT = "naïve café, 世界 and emoji 🙂🚀 — ok"
 
@@ -231,7 +231,7 @@ def test_incremental_stop_search_finds_what_a_full_decode_finds(seed):
     that also holds the first bytes of the next character."""
     import random
 
-    from paged_transformers.output_processor import _StopStrings, first_stop
+    from paged_transformers.core.output_processor import _StopStrings, first_stop
 
     rng = random.Random(seed)
     text = "".join(rng.choice(["a", "b", "é", "✓", "😀", " "]) for _ in range(40))

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from paged_transformers.attention import resolve_backend
+from paged_transformers.core.attention import resolve_backend
 from paged_transformers.config import AttentionBackend
 from paged_transformers.kernels import paged_attention, paged_attention_ref, reshape_and_cache_ref
 from paged_transformers.kernels.torch_attention import paged_attention_torch, reshape_and_cache_torch

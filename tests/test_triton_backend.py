@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from conftest import random_prompts  # noqa: E402
 from paged_transformers import EngineConfig, SamplingParams, paged_generate  # noqa: E402
-from paged_transformers.attention import resolve_backend  # noqa: E402
+from paged_transformers.core.attention import resolve_backend  # noqa: E402
 from paged_transformers.config import AttentionBackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

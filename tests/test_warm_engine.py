@@ -1,4 +1,4 @@
-"""One warm engine per model (``paged_transformers.warm``), kept between calls while the model is its user's.
+"""One warm engine per model (``paged_transformers.integration.warm``), kept between calls while the model is its user's.
 
 Reference: stock transformers (``model.generate()`` and plain forwards, fp32 CPU) on a model with the same weights
 that never saw an engine. Covered: a train-and-generate loop with prefix caching on; in-place and replaced weights;
@@ -20,12 +20,12 @@ from torch._dynamo.utils import counters
 from transformers import LlamaForCausalLM
 
 import paged_transformers
-import paged_transformers.warm as warm_module
+import paged_transformers.integration.warm as warm_module
 from conftest import assert_pool_whole, make_tiny_model, random_prompts, stock_greedy
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate, release
-from paged_transformers.attention import ATTENTION_NAME
-from paged_transformers.warm import attached_engine, current_engine
-from paged_transformers.weights import WeightsChange, WeightsSnapshot
+from paged_transformers.core.attention import ATTENTION_NAME
+from paged_transformers.integration.warm import attached_engine, current_engine
+from paged_transformers.core.weights import WeightsChange, WeightsSnapshot
 from test_patch import left_pad
 
 PROMPTS = random_prompts(4, 18, 40, seed=11)  # 1-2 full blocks each: the prefix cache holds them after a call
@@ -393,7 +393,7 @@ def test_process_exits_with_a_live_engine(tmp_path):
     """A process that patches, generates and exits without unpatch or release exits at once (no hang at exit)."""
     code = textwrap.dedent("""
         import torch, transformers, paged_transformers
-        from paged_transformers.warm import current_engine
+        from paged_transformers.integration.warm import current_engine
         paged_transformers.patch()
         config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=1)

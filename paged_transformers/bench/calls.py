@@ -89,8 +89,8 @@ def first_engine(model, config: EngineConfig, repeats: int) -> dict:
     """The process's first engine: its construction (``engine_for``, what the first call of any entry point builds),
     the first ``paged_generate`` call on it (decode graphs are captured at their first step), the second, and the
     host time per call over the engine's own step time (1 prompt of 128 tokens, 16 new tokens)."""
-    from ..generate import paged_generate
-    from ..warm import engine_for
+    from ..integration.generate import paged_generate
+    from ..integration.warm import engine_for
 
     vocab = model.config.get_text_config().vocab_size
     prompt = _random_batch(vocab, 1, 128, 1, "cpu")[0].tolist()
@@ -162,7 +162,7 @@ def eval_loop(model, config: EngineConfig, num_calls: int = 8, batch: int = 8, p
               new: int = 32) -> dict:
     """``num_calls`` ``paged_generate`` calls of ``batch`` prompts x ``new`` tokens (an evaluation loop) against
     as many stock ``generate()`` calls on the same batches; total seconds of each loop."""
-    from ..generate import paged_generate
+    from ..integration.generate import paged_generate
 
     vocab = model.config.get_text_config().vocab_size
     device = next(model.parameters()).device
@@ -225,8 +225,8 @@ def pipeline_calls(model, repeats: int, batch_size: int = 8, new: int = 32) -> d
 def workload(model, requests: list[BenchRequest], config: EngineConfig) -> dict:
     """The throughput workload through ``paged_generate`` (first and second call of it) against the warm engine
     stepped by the caller (``run_to_completion`` inside ``attached_engine``), output tokens/s."""
-    from ..generate import paged_generate, run_to_completion
-    from ..warm import attached_engine, engine_for
+    from ..integration.generate import paged_generate, run_to_completion
+    from ..integration.warm import attached_engine, engine_for
 
     prompts = [r.prompt_token_ids for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..compat import attn_implementation, workload_hints
+from ..integration.compat import attn_implementation, workload_hints
 from ..config import EngineConfig
 from .workload import BenchRequest
 
@@ -51,7 +51,7 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
     With ``batch1_context``, afterwards one request of that many prompt tokens decodes ``batch1_tokens``
     tokens alone (the batch-1 decode target); its per-step times land in ``extra["decode_batch1"]``.
     """
-    from ..engine import LLMEngine
+    from ..core.engine import LLMEngine
     from ..sampling_params import SamplingParams
 
     device = next(model.parameters()).device

@@ -37,7 +37,7 @@ def model_costs(model) -> dict:
     """Bytes of weights a step reads (all parameters but the input embedding table, of which a step
     reads only its rows; counted when tied to the LM head), KV bytes per token, FLOPs per token."""
     text = model.config.get_text_config()
-    from ..sizing import model_kv_shape
+    from ..core.sizing import model_kv_shape
 
     num_layers, num_kv_heads, head_dim = model_kv_shape(model.config)
     embed = model.get_input_embeddings().weight

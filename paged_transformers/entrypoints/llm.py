@@ -2,7 +2,7 @@
 paged engine, and ``ModelEngine``, the same class under another write-up's argument names.
 
 vLLM's quick-start code runs with only its import changed (``examples/quickstart_*.py``). The engine behind an
-``LLM`` is the model's warm engine (``paged_transformers.warm``), shared with ``paged_generate`` and patched
+``LLM`` is the model's warm engine (``paged_transformers.integration.warm``), shared with ``paged_generate`` and patched
 ``generate()`` on the same model object: built at construction, reused by every call.
 """
 
@@ -12,12 +12,12 @@ import os
 
 import torch
 
-from . import checkpoint, warm
-from .config import EngineConfig
-from .engine import LLMEngine
-from .generate import params_per_prompt, run_to_completion
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ..integration import checkpoint, warm
+from ..config import EngineConfig
+from ..core.engine import LLMEngine
+from ..integration.generate import params_per_prompt, run_to_completion
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")

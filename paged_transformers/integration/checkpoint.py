@@ -12,8 +12,8 @@ import os
 import torch
 
 from .hub import resolve_model_path
-from .quantization import load_model, read_quantization_config
-from .sizing import model_compute_dtype
+from ..quantization import load_model, read_quantization_config
+from ..core.sizing import model_compute_dtype
 
 QUANTIZATION_METHODS = ("gptq", "awq")  # the formats load_model reads natively (GPTQ v1, AWQ GEMM)
 

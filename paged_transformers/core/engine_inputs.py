@@ -9,8 +9,8 @@ import operator
 
 import torch
 
-from .config import EngineConfig
-from .sampling_params import SamplingParams
+from ..config import EngineConfig
+from ..sampling_params import SamplingParams
 
 
 def tokenize(tokenizer, prompt) -> list[int]:

@@ -2,7 +2,7 @@
 
 import torch
 
-from .config import EngineConfig
+from ..config import EngineConfig
 
 
 def model_kv_shape(config) -> tuple[int, int, int]:

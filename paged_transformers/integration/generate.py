@@ -6,11 +6,11 @@ from typing import Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
-from .engine import LLMEngine, check_loaded_model, run_engine
+from ..config import EngineConfig
+from ..core.engine import LLMEngine, check_loaded_model, run_engine
 from .generation_config import sampling_params_from_generation_config
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 from .warm import attached_engine
 
 
@@ -21,7 +21,7 @@ def paged_generate(
 ) -> list[RequestOutput]:
     """Generate completions for many prompts with paged attention and continuous batching.
 
-    The call runs on the model's warm engine (``paged_transformers.warm``: created on the first call, then reused with
+    The call runs on the model's warm engine (``paged_transformers.integration.warm``: created on the first call, then reused with
     its KV pool, compiled layers and CUDA graphs, and its prefix cache across calls). Every prompt is tokenized once
     and validated before any is queued, so a bad one raises before any KV block is taken. On return (or on error) the
     engine is detached: the model is its user's again, as it was.
@@ -31,7 +31,7 @@ def paged_generate(
         prompts: strings (``tokenizer`` required) or lists of token ids.
         sampling_params: one ``SamplingParams`` for all prompts, or one per prompt. Default: from ``generation_config``
             (else ``model.generation_config``), every option ``generate()`` honours for greedy/sampling, each prompt
-            getting the processors ``generate()`` would build for it alone (``paged_transformers.generation_config``);
+            getting the processors ``generate()`` would build for it alone (``paged_transformers.integration.generation_config``);
             unsupported options raise ``NotImplementedError`` naming them.
         tokenizer: a transformers tokenizer, for string prompts and output text.
         engine_config: ``EngineConfig``; None: the warm engine as it is (``EngineConfig()`` when there is none).

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
 from .sequence import Sequence, SequenceStatus
 
 _REPLACEMENT = "\ufffd"

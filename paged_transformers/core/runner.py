@@ -20,8 +20,8 @@ import torch
 
 from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata
-from .cache import PagedCache
-from .compat import attn_implementation
+from ..integration.cache import PagedCache
+from ..integration.compat import attn_implementation
 from .input_batch import InputBatch
 from .messages import SchedulerOutput
 from .weights import WeightsChange
@@ -144,7 +144,7 @@ class ModelRunner:
                              "eagerly every fused slice computes the whole fused product")
         self.compilation = None  # compilation.Compilation with compiled layers or decode graphs
         if compile_on or graphs_on:
-            from .compilation import Compilation
+            from ..compilation import Compilation
 
             self.compilation = Compilation(model, self.device, max_num_seqs, cuda_graphs=graphs_on)
         if compile_on:

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
-from .cache import PagedCache
-from .config import AttentionBackend
+from ..integration.cache import PagedCache
+from ..config import AttentionBackend
 
 # NOTE: transformers keys behaviour off the substrings flash, sdpa, flex, "paged|" and "/" in an
 # implementation name; this one contains none of them, so it gets attention_mask=None.
@@ -63,7 +63,7 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Ca
     if backend is AttentionBackend.AUTO:
         backend = AttentionBackend.TRITON if device.type == "cuda" else AttentionBackend.TORCH
     if backend is AttentionBackend.TORCH:
-        from .kernels.torch_attention import paged_attention_torch, reshape_and_cache_torch
+        from ..kernels.torch_attention import paged_attention_torch, reshape_and_cache_torch
 
         return reshape_and_cache_torch, paged_attention_torch
     import os
@@ -74,7 +74,7 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Ca
             "before starting Python, or use attention_backend='torch'"
         )
     try:
-        from .kernels import paged_attention, reshape_and_cache
+        from ..kernels import paged_attention, reshape_and_cache
     except ImportError as e:
         raise RuntimeError(f"attention_backend='triton' needs the triton package: {e}") from e
     return reshape_and_cache, paged_attention

@@ -12,7 +12,7 @@ import os
 import torch
 
 from .attention import ATTENTION_NAME, install_step_hooks
-from .compat import attn_implementation
+from ..integration.compat import attn_implementation
 from .weights import StaleWeightsError, WeightsChange, WeightsSnapshot
 
 logger = logging.getLogger(__name__)

@@ -40,9 +40,9 @@ from collections.abc import Iterator
 
 import torch
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .weights import StaleWeightsError
+from ..config import EngineConfig
+from ..core.engine import LLMEngine
+from ..core.weights import StaleWeightsError
 
 logger = logging.getLogger("paged_transformers")
 
@@ -203,8 +203,8 @@ def attached_engine(
         >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from paged_transformers import SamplingParams
-        >>> from paged_transformers.compat import attn_implementation
-        >>> from paged_transformers.warm import attached_engine
+        >>> from paged_transformers.integration.compat import attn_implementation
+        >>> from paged_transformers.integration.warm import attached_engine
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
         <...>
         >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,

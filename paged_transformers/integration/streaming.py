@@ -9,8 +9,8 @@ is held back.
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .engine import run_engine
-from .output_processor import IncrementalDetokenizer, cut_at_stop
+from ..core.engine import run_engine
+from ..core.output_processor import IncrementalDetokenizer, cut_at_stop
 
 __all__ = ["IncrementalDetokenizer", "StreamDelta", "stream"]
 
@@ -60,7 +60,7 @@ def stream(
         >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from paged_transformers import LLMEngine, SamplingParams
-        >>> from paged_transformers.streaming import stream
+        >>> from paged_transformers.integration.streaming import stream
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
         <...>
         >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,

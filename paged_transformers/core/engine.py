@@ -21,18 +21,18 @@ from typing import Callable, Iterator
 import torch
 
 from .attention import resolve_backend
-from .cache import PagedCache
-from .compat import can_set_attn_implementation
-from .config import EngineConfig
+from ..integration.cache import PagedCache
+from ..integration.compat import can_set_attn_implementation
+from ..config import EngineConfig
 from .engine_inputs import check_sampling_params, tokenize, validate_prompt
 from .engine_lifecycle import EngineLifecycle, check_loaded_model, check_not_attached, eos_token_ids
 from .messages import ModelRunnerOutput, SchedulerOutput
 from .output_processor import EngineRequest, OutputProcessor
-from .outputs import RequestMetrics, RequestOutput
+from ..outputs import RequestMetrics, RequestOutput
 from .prefix_cache import CacheStats
 from .runner import ModelRunner
 from .sampling import SampleLaunch, Sampler, _to_device
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import SequenceStatus, fan_out
 from .sizing import model_compute_dtype, model_kv_shape, num_kv_blocks
@@ -66,7 +66,7 @@ class LLMEngine(EngineLifecycle):
     Weights are live: the fused projections are views of the model's own parameters' storage and the graphs
     read that storage, so in-place writes between calls are what the next step computes with. ``attach()``
     drops the prefix cache when a parameter or buffer was written in place since ``detach()`` and refuses
-    (``StaleWeightsError``) when one was replaced (see ``paged_transformers.weights``).
+    (``StaleWeightsError``) when one was replaced (see ``paged_transformers.core.weights``).
 
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface``.

@@ -18,7 +18,7 @@ import itertools
 import torch
 from transformers import Cache
 
-from .block_manager import BlockCopy, BlockManager
+from ..core.block_manager import BlockCopy, BlockManager
 
 
 class PagedCache(Cache):
@@ -112,7 +112,7 @@ class PagedCache(Cache):
             >>> bool((paged == stock).all())
             True
         """
-        from .sizing import model_compute_dtype, model_kv_shape
+        from ..core.sizing import model_compute_dtype, model_kv_shape
 
         num_layers, num_kv_heads, head_dim = model_kv_shape(model.config)
         dtype = dtype or model_compute_dtype(model)

@@ -33,7 +33,7 @@ from transformers import (
 
 from . import compat
 from .compat import GenerationMode, eos_token_ids
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 __all__ = [
     "ENGINE_MODES", "PerRequest", "ScoreRecorder", "check_engine_supported", "eos_token_ids",
@@ -56,7 +56,7 @@ class PerRequest(LogitsProcessor):
 
     Examples:
         >>> from transformers import NoRepeatNGramLogitsProcessor
-        >>> from paged_transformers.generation_config import PerRequest
+        >>> from paged_transformers.integration.generation_config import PerRequest
         >>> proc = PerRequest(lambda: NoRepeatNGramLogitsProcessor(2))
         >>> proc.new() is proc.new()
         False

@@ -19,7 +19,7 @@ def left_padding(attention_mask: torch.Tensor | None, num_rows: int | None = Non
 
     Examples:
         >>> import torch
-        >>> from paged_transformers.padding import left_padding
+        >>> from paged_transformers.integration.padding import left_padding
         >>> left_padding(torch.tensor([[0, 0, 1], [1, 1, 1]]))
         [2, 0]
     """

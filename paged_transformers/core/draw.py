@@ -24,7 +24,7 @@ batch of rows without top-k / top-p draws ``[rows, vocab]`` of it, as ``torch.mu
 
 import torch
 
-from .kernels.argmax import argmax_rows
+from ..kernels.argmax import argmax_rows
 
 TOP_P_CANDIDATES = 256  # candidates of a top-p row (no top-k) on CPU, before the fallback to the whole row
 

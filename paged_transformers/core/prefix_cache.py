@@ -62,7 +62,7 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
         ``block_hashes`` (the same list).
 
     Examples:
-        >>> from paged_transformers.prefix_cache import extend_block_hashes, hash_block_tokens
+        >>> from paged_transformers.core.prefix_cache import extend_block_hashes, hash_block_tokens
         >>> hashes = extend_block_hashes([], list(range(40)), block_size=16)
         >>> len(hashes)  # tokens 32..39 fill only part of a third block: not hashed
         2

@@ -30,7 +30,7 @@ token from a copy of its logits row. Admission reserves their ``max_num_seqs`` s
 from collections import deque
 
 from .block_manager import BlockCopy, BlockManager
-from .config import EngineConfig
+from ..config import EngineConfig
 from .messages import ForkedSeq, ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from .prefix_cache import CacheStats, extend_block_hashes
 from .sampling import Sampler

@@ -6,8 +6,8 @@ import itertools
 
 import torch
 
-from .generation_config import PerRequest, instantiate_per_request
-from .sampling_params import SamplingParams
+from ..integration.generation_config import PerRequest, instantiate_per_request
+from ..sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
