@@ -21,7 +21,7 @@ Scores are those of the reference: ``scale * q.k``, ``softcap * tanh(score / sof
 given (Gemma-2), masked softmax over keys, float32 softmax. Without a softcap each band is one
 ``scaled_dot_product_attention`` call (GQA through ``enable_gqa``); with one, explicit matmuls in float32.
 Clamping key positions into the context means no slot past a sequence's context is read: never-written
-slots may hold NaN (``PagedCache`` allocates with ``torch.empty``) and block-table entries past a
+slots may hold NaN (``KVPool`` allocates with ``torch.empty``) and block-table entries past a
 sequence's blocks may be any value.
 
 ``reshape_and_cache_torch`` writes a step's K/V with one ``index_copy_`` per cache when no slot is -1.

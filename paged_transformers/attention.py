@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
-from .cache import PagedCache
+from .kv_pool import KVPool
 from .config import AttentionBackend
 
 # NOTE: transformers keys behaviour off the substrings flash, sdpa, flex, "paged|" and "/" in an
@@ -34,7 +34,7 @@ class AttentionMetadata:
                query_start_loc[0]=0  query_start_loc[1]   ...   query_start_loc[num_seqs]=num_tokens
     """
 
-    cache: PagedCache
+    cache: KVPool  # the engine's K/V tensors (key_cache[layer], value_cache[layer])
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V goes to
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: context length in tokens, this step's tokens included

@@ -1,16 +1,13 @@
-"""``PagedCache``: the per-layer KV block pools and the block manager that hands their blocks out.
+"""``PagedCache``: a ``transformers.Cache`` whose K/V live in blocks of a ``KVPool``, for stock ``generate()``.
 
-Two users:
+``model.generate(..., past_key_values=cache)`` (``cache=`` on transformers >= 5.24) keeps one block table per
+batch row, writes each step's K/V into blocks, and hands the model's own attention (eager / SDPA) a dense
+``[batch, num_kv_heads, kv_length, head_dim]`` view gathered through the block tables. Left-padding tokens are
+never written (their rows in the view are zeros, and the attention mask hides them); ``num_return_sequences``
+copies of a prompt share its blocks by reference; beam search reorders block tables with reference counts
+(``reorder_cache``) instead of copying K/V; a write into a shared block copies it first.
 
-- the engine (``LLMEngine``), which owns the block tables through ``block_manager`` and writes K/V with
-  the paged attention function;
-- ``model.generate(..., past_key_values=cache)`` (``cache=`` on transformers >= 5.24): then the cache
-  keeps one block table per batch row, writes each step's K/V into blocks, and hands the model's own
-  attention (eager / SDPA) a dense ``[batch, num_kv_heads, kv_length, head_dim]`` view gathered
-  through the block tables. Left-padding tokens are never written (their rows in the view are
-  zeros, and the attention mask hides them); ``num_return_sequences`` copies of a prompt share its
-  blocks by reference; beam search reorders block tables with reference counts
-  (``reorder_cache``) instead of copying K/V; a write into a shared block copies it first.
+The engine does not use this class: it owns a ``kv_pool.KVPool`` directly.
 """
 
 import itertools
@@ -18,19 +15,15 @@ import itertools
 import torch
 from transformers import Cache
 
-from .block_manager import BlockCopy, BlockManager
+from .block_manager import BlockManager
+from .kv_pool import KVPool
 
 
 class PagedCache(Cache):
-    """The paged KV cache of one model: K and V tensors allocated once, plus per-sequence block tables.
+    """The paged KV cache of one ``generate()`` batch: a ``KVPool`` plus one block table per batch row.
 
-    Per layer (vLLM's flash layout; ``slot = block_id * block_size + offset``)::
-
-        key_cache[layer], value_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
-
-    The block tables live in ``block_manager`` (``block_manager.block_tables[seq_id]``). A request
-    holds ``ceil(num_tokens / block_size)`` blocks; nothing is reserved up to ``max_model_len``.
-    It subclasses ``transformers.Cache`` so it can stand where transformers expects a cache.
+    It subclasses ``transformers.Cache`` so it can stand where transformers expects a cache; the K/V tensors and
+    the block manager are the pool's (``pool.key_cache``, ``block_manager``).
 
     Args:
         num_layers: decoder layers (one K and one V tensor each).
@@ -54,28 +47,11 @@ class PagedCache(Cache):
         device: torch.device | str,
     ):
         super().__init__(layers=[])
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.pool = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.num_layers = num_layers
-        self._shape, self._dtype = (num_blocks, block_size, num_kv_heads, head_dim), dtype
-        self.device = torch.empty(0, device=device).device  # resolved ("cuda" -> "cuda:0"); kept after release()
-        self.allocate()
-        # generate() state (see the module docstring); untouched by the engine.
+        # generate() state (see the NOTE above set_prompt_padding)
         self._rows: _GenerateRows | None = None
         self._pad_hint: list[int] | None = None
-
-    def allocate(self) -> None:
-        """(Re)allocate the K/V tensors, uninitialized, in the shape, dtype and device the cache was made with
-        (at construction, and ``LLMEngine.wake_up`` after ``release``)."""
-        self.key_cache = [torch.empty(self._shape, dtype=self._dtype, device=self.device) for _ in range(self.num_layers)]
-        self.value_cache = [torch.empty(self._shape, dtype=self._dtype, device=self.device) for _ in range(self.num_layers)]
-
-    def release(self) -> None:
-        """Drop the K/V tensors (``LLMEngine.close`` and ``sleep``): their memory can go back to the device. The
-        block manager, with its counters, stays; the cache holds no K/V until ``allocate``."""
-        self.key_cache, self.value_cache = [], []
 
     @classmethod
     def from_model(
@@ -118,29 +94,18 @@ class PagedCache(Cache):
         dtype = dtype or model_compute_dtype(model)
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device or next(model.parameters()).device)
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    @property
+    def block_manager(self) -> BlockManager:
+        """The pool's ``BlockManager``: the rows' block tables (``block_tables[seq_id]``), ref counts, free blocks."""
+        return self.pool.block_manager
 
     @property
     def num_blocks(self) -> int:
-        return self.block_manager.num_blocks
+        return self.pool.num_blocks
 
     @property
     def block_size(self) -> int:
-        return self.block_manager.block_size
-
-    def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Copy whole blocks (copy-on-write) in every layer: ``dst <- src`` for each pair."""
-        if not copies:
-            return
-        device = self.device
-        src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=device)
-        for k, v in zip(self.key_cache, self.value_cache):
-            k[dst] = k[src]
-            v[dst] = v[src]
+        return self.pool.block_size
 
     # -- generate() path -------------------------------------------------------------------------
     # NOTE: transformers' generate() and the model's attention layers call these. Each batch row is a
@@ -228,8 +193,8 @@ class PagedCache(Cache):
         write = new_slots >= 0
         if rows.write_rows is not None:  # forked prompt copies: only the first of each group writes
             write &= rows.write_rows.repeat_interleave(num_new)
-        k_pool = self.key_cache[layer_idx].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-        v_pool = self.value_cache[layer_idx].view(-1, num_kv_heads, head_dim)
+        k_pool = self.pool.key_cache[layer_idx].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_pool = self.pool.value_cache[layer_idx].view(-1, num_kv_heads, head_dim)
         # [B, Hkv, T, D] -> [B*T, Hkv, D]
         k_new = key_states.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
         v_new = value_states.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
@@ -283,9 +248,9 @@ class PagedCache(Cache):
                         f"{bm.num_free_blocks} free; build it with more num_blocks"
                     )
                 copies.extend(granted)
-        self.copy_blocks(copies)
+        self.pool.copy_blocks(copies)
         rows.write_rows = (
-            torch.tensor([leader == b for b, leader in enumerate(rows.leaders)], device=self.device)
+            torch.tensor([leader == b for b, leader in enumerate(rows.leaders)], device=self.pool.device)
             if any(leader != b for b, leader in enumerate(rows.leaders)) and old_dense == 0 else None
         )
         if old_dense == 0:
@@ -294,7 +259,7 @@ class PagedCache(Cache):
 
     def _build_slot_index(self) -> None:
         rows, bm = self._rows, self.block_manager
-        device = self.device
+        device = self.pool.device
         tables = [bm.block_tables.get(seq_id, []) for seq_id in rows.seq_ids]
         width = max(1, max(len(t) for t in tables))
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import ATTENTION_NAME, install_step_hooks, resolve_backend
-from .cache import PagedCache
+from .kv_pool import KVPool
 from .config import EngineConfig
 from .generation_config import PerRequest, instantiate_per_request
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -139,7 +139,7 @@ class LLMEngine:
         param = next(model.parameters())
         device, dtype = param.device, model_compute_dtype(model)
         num_layers, num_kv_heads, head_dim = model_kv_shape(model_config)
-        bytes_per_block = PagedCache.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, dtype)
+        bytes_per_block = KVPool.bytes_per_block(num_layers, self.config.block_size, num_kv_heads, head_dim, dtype)
         t0 = time.perf_counter()
         num_blocks = num_kv_blocks(model, self.config, self.max_model_len, bytes_per_block)
         sizing_s = time.perf_counter() - t0
@@ -150,7 +150,7 @@ class LLMEngine:
                 f"({num_blocks * self.config.block_size} tokens, {bytes_per_block} bytes per block), fewer than the "
                 f"{needed} blocks one max_model_len={self.max_model_len} sequence needs; raise the KV budget or lower max_model_len"
             )
-        self.cache = PagedCache(num_layers, num_blocks, self.config.block_size, num_kv_heads, head_dim, dtype, device)
+        self.cache = KVPool(num_layers, num_blocks, self.config.block_size, num_kv_heads, head_dim, dtype, device)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.scheduler = Scheduler(self.config, self.cache.block_manager, self._check_stop)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size)

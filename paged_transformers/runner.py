@@ -25,7 +25,7 @@ import torch
 
 from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata
-from .cache import PagedCache
+from .kv_pool import KVPool
 from .scheduler import SchedulerOutput
 from .weights import WeightsChange
 
@@ -99,7 +99,7 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM whose ``attn_implementation`` is ``ATTENTION_NAME``.
-        cache: the paged cache the attention reads and writes.
+        cache: the KV pool the attention reads and writes.
         write_kv, attend: the attention backend's functions (``attention.resolve_backend``).
         max_num_seqs, max_num_batched_tokens: engine limits (buffer sizes); default: the batch of the
             biggest step seen is not bounded, so both must be given for the buffers (the engine does).
@@ -127,7 +127,7 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        cache: PagedCache,
+        cache: KVPool,
         write_kv,
         attend,
         *,
