@@ -10,13 +10,14 @@ copies of a prompt share its blocks by reference; beam search reorders block tab
 The engine does not use this class: it owns a ``kv_pool.KVPool`` directly.
 """
 
-import itertools
-
 import torch
 from transformers import Cache
 
 from .block_manager import BlockManager
+from .generate_rows import GenerateRows
 from .kv_pool import KVPool
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size (bytes) -> int dtype
 
 
 class PagedCache(Cache):
@@ -50,7 +51,7 @@ class PagedCache(Cache):
         self.pool = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.num_layers = num_layers
         # generate() state (see the NOTE above set_prompt_padding)
-        self._rows: _GenerateRows | None = None
+        self._rows: GenerateRows | None = None
         self._pad_hint: list[int] | None = None
 
     @classmethod
@@ -107,13 +108,8 @@ class PagedCache(Cache):
     def block_size(self) -> int:
         return self.pool.block_size
 
-    # -- generate() path -------------------------------------------------------------------------
-    # NOTE: transformers' generate() and the model's attention layers call these. Each batch row is a
-    # sequence with its own block table; "dense" positions count left padding, stored tokens do not:
-    #
-    #   dense position p of row b:   0 .. pad_lens[b]-1 | pad_lens[b] .. num_dense-1
-    #                                (padding, never     | real token p - pad_lens[b], at
-    #                                 written, zeros)    |   slot block_table[(p-pad)//bs]*bs + (p-pad)%bs
+    # -- generate() path: transformers' generate() and the model's attention layers call these --------------
+    # (the rows' block tables and their "dense" positions: generate_rows.py)
 
     def set_prompt_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Tell the cache which prompt positions are left padding, so they are never written.
@@ -149,8 +145,7 @@ class PagedCache(Cache):
         """Free every block a ``generate()`` call holds, so the cache can serve a new batch. Without it, the
         next ``generate()`` call continues from the cached tokens, as with a ``DynamicCache`` passed again."""
         if self._rows is not None:
-            for seq_id in self._rows.seq_ids:
-                self.block_manager.free(seq_id)
+            self._rows.free()
         self._rows = None
         self._pad_hint = None
 
@@ -173,7 +168,7 @@ class PagedCache(Cache):
         """
         batch, num_kv_heads, num_new, head_dim = key_states.shape
         if self._rows is None:
-            self._rows = self._start(key_states)
+            self._rows = self._start(batch)
         rows = self._rows
         if batch != len(rows.seq_ids):
             # NOTE: no automatic reset: a cache passed to generate() again continues its generation (as a
@@ -185,13 +180,15 @@ class PagedCache(Cache):
             )
         start = rows.layer_lens[layer_idx]
         if start == rows.num_dense:  # the first layer to see these positions grants their slots
-            self._grant(num_new)
+            rows.grant(num_new)
         assert start + num_new == rows.num_dense, (layer_idx, start, num_new, rows.num_dense)
         rows.layer_lens[layer_idx] = rows.num_dense
+        if rows.sharing:
+            self._unshare_unequal_copies(key_states, value_states)
         slots = rows.slot_index  # [batch, num_dense] int64, -1 = padding
         new_slots = slots[:, start:].reshape(-1)
         write = new_slots >= 0
-        if rows.write_rows is not None:  # forked prompt copies: only the first of each group writes
+        if rows.write_rows is not None:  # prompt copies that share their leader's blocks do not write
             write &= rows.write_rows.repeat_interleave(num_new)
         k_pool = self.pool.key_cache[layer_idx].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         v_pool = self.pool.value_cache[layer_idx].view(-1, num_kv_heads, head_dim)
@@ -207,117 +204,68 @@ class PagedCache(Cache):
         keys = torch.where(valid, k_pool[gather], 0.0).transpose(1, 2)
         values = torch.where(valid, v_pool[gather], 0.0).transpose(1, 2)
         if layer_idx == self.num_layers - 1:
-            rows.write_rows = None
+            rows.end_forward()
         return keys, values
 
-    def _start(self, key_states: torch.Tensor) -> "_GenerateRows":
-        """Open one sequence per row at the first ``update``; copies of one prompt (``generate()`` expanded
-        the batch with ``repeat_interleave``) are detected from equal K and share the first copy's blocks."""
-        batch = key_states.shape[0]
+    def _start(self, batch: int) -> GenerateRows:
+        """Open one sequence per row at the first ``update``.
+
+        generate() expands a batch of ``len(pad_hint)`` prompts to ``batch`` rows with ``repeat_interleave``
+        (``num_return_sequences``, ``num_beams``), so each group of ``batch // len(pad_hint)`` rows holds copies
+        of one prompt: every row of a group starts as a copy of the group's first row, its leader, and shares
+        the leader's prompt blocks for as long as its K/V equal the leader's (``_unshare_unequal_copies``).
+        """
         hint = self._pad_hint or [0] * batch
         if batch % len(hint):
             raise ValueError(f"generate() batch of {batch} rows does not fit the padding of {len(hint)} rows given to set_prompt_padding")
         group = batch // len(hint)
         pad_lens = [p for p in hint for _ in range(group)]
-        seq_ids = [next(_generate_seq_ids) for _ in range(batch)]
-        leaders = list(range(batch))
-        if group > 1:
-            for b in range(batch):
-                first = b - b % group
-                if b != first and torch.equal(key_states[b], key_states[first]):
-                    leaders[b] = first
-        return _GenerateRows(seq_ids, pad_lens, leaders, [0] * self.num_layers)
+        return GenerateRows(self.pool, pad_lens, [b - b % group for b in range(batch)], self.num_layers)
 
-    def _grant(self, num_new: int) -> None:
-        """Grow every row's block table by ``num_new`` dense positions and rebuild ``slot_index``."""
-        rows, bm = self._rows, self.block_manager
-        old_dense = rows.num_dense
-        rows.num_dense += num_new
-        copies = []
-        for b, seq_id in enumerate(rows.seq_ids):
-            before, after = max(0, old_dense - rows.pad_lens[b]), max(0, rows.num_dense - rows.pad_lens[b])
-            leader = rows.leaders[b]
-            if leader != b and before == 0:
-                bm.fork(rows.seq_ids[leader], seq_id)  # the prompt by reference
-                continue
-            if after > before:
-                granted = bm.allocate_slots(seq_id, before, after - before)
-                if granted is None:
-                    raise RuntimeError(
-                        f"PagedCache pool exhausted: {bm.num_blocks} blocks of {bm.block_size} tokens, "
-                        f"{bm.num_free_blocks} free; build it with more num_blocks"
-                    )
-                copies.extend(granted)
-        self.pool.copy_blocks(copies)
-        rows.write_rows = (
-            torch.tensor([leader == b for b, leader in enumerate(rows.leaders)], device=self.pool.device)
-            if any(leader != b for b, leader in enumerate(rows.leaders)) and old_dense == 0 else None
-        )
-        if old_dense == 0:
-            rows.leaders = list(range(len(rows.seq_ids)))
-        self._build_slot_index()
+    def _unshare_unequal_copies(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Give private blocks to each prompt copy whose K or V in this layer differ from its leader's.
 
-    def _build_slot_index(self) -> None:
-        rows, bm = self._rows, self.block_manager
-        device = self.pool.device
-        tables = [bm.block_tables.get(seq_id, []) for seq_id in rows.seq_ids]
-        width = max(1, max(len(t) for t in tables))
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
-        pad = torch.tensor(rows.pad_lens, dtype=torch.int64, device=device)
-        real = torch.arange(rows.num_dense, device=device)[None, :] - pad[:, None]  # [B, num_dense]
-        block = block_tables.gather(1, real.clamp(min=0) // bm.block_size)
-        slots = block * bm.block_size + real.clamp(min=0) % bm.block_size
-        rows.slot_index = torch.where(real >= 0, slots, -1)
-
-    def _select_rows(self, indices: list[int]) -> None:
-        """New row ``i`` continues old row ``indices[i]``: block tables are shared by reference (ref counts
-        up), the old tables released. A later write into a shared block copies it first."""
-        rows, bm = self._rows, self.block_manager
-        new_ids = [next(_generate_seq_ids) for _ in indices]
-        for new_id, old in zip(new_ids, indices):
-            if rows.seq_ids[old] in bm.block_tables:
-                bm.fork(rows.seq_ids[old], new_id)
-        for seq_id in rows.seq_ids:
-            bm.free(seq_id)
-        rows.seq_ids = new_ids
-        rows.pad_lens = [rows.pad_lens[i] for i in indices]
-        rows.leaders = list(range(len(indices)))
-        self._build_slot_index()
+        A copy shares the leader's blocks only while its K/V are equal bit for bit in every layer seen so far,
+        so its attention reads exactly what it would have written itself. A copy that differs gets its own
+        blocks, filled with the leader's K/V (equal in the earlier layers), and writes from this layer on.
+        """
+        rows = self._rows
+        copies = rows.sharing
+        rows_of = torch.tensor(copies, device=key_states.device)
+        leaders_of = torch.tensor([rows.leaders[b] for b in copies], device=key_states.device)
+        equal = torch.ones(len(copies), dtype=torch.bool, device=key_states.device)
+        for states in (key_states, value_states):
+            bits = states.view(_BITS[states.element_size()])  # [B, Hkv, T, D]: compared bit for bit (NaN, -0.0)
+            equal &= (bits[rows_of] == bits[leaders_of]).flatten(1).all(dim=1)
+        unequal = [b for b, same in zip(copies, equal.tolist()) if not same]
+        if unequal:
+            rows.unshare(unequal)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` continues row ``beam_idx[i]`` (block tables remapped, no K/V copied)."""
         if self._rows is not None:
-            self._select_rows([int(i) for i in beam_idx.tolist()])
+            self._rows.select([int(i) for i in beam_idx.tolist()])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows ``indices`` (in that order)."""
         if self._rows is not None:
-            self._select_rows([int(i) for i in indices.tolist()])
+            self._rows.select([int(i) for i in indices.tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times (by reference)."""
         if self._rows is not None:
-            self._select_rows([b for b in range(len(self._rows.seq_ids)) for _ in range(repeats)])
+            self._rows.select([b for b in range(len(self._rows.seq_ids)) for _ in range(repeats)])
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` dense positions (negative: drop ``-max_length`` from the end);
         blocks past the kept tokens are released."""
         if self._rows is None:
             return
-        rows, bm = self._rows, self.block_manager
+        num_dense = self._rows.num_dense
         if max_length < 0:
-            max_length = rows.num_dense + max_length
-        if max_length >= rows.num_dense:
-            return
-        max_length = max(0, max_length)
-        for b, seq_id in enumerate(rows.seq_ids):
-            table = bm.block_tables.get(seq_id)
-            if table is None:
-                continue
-            bm.truncate(seq_id, bm.blocks_for(max(0, max_length - rows.pad_lens[b])))
-        rows.num_dense = max_length
-        rows.layer_lens = [min(n, max_length) for n in rows.layer_lens]
-        self._build_slot_index()
+            max_length = num_dense + max_length
+        if max_length < num_dense:
+            self._rows.crop(max(0, max_length))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Dense positions (left padding included) the layer has seen; what ``generate()`` calls past length."""
@@ -367,21 +315,3 @@ class PagedCache(Cache):
             f"num_used_blocks={self.block_manager.num_used_blocks})"
         )
 
-
-# NOTE: negative ids, so generate() rows can never collide with the engine's Sequence ids (>= 0).
-_generate_seq_ids = itertools.count(-1, -1)
-
-
-class _GenerateRows:
-    """Per-row state of one ``generate()`` call on a ``PagedCache``."""
-
-    __slots__ = ("seq_ids", "pad_lens", "leaders", "layer_lens", "num_dense", "slot_index", "write_rows")
-
-    def __init__(self, seq_ids: list[int], pad_lens: list[int], leaders: list[int], layer_lens: list[int]):
-        self.seq_ids = seq_ids  # block-manager sequence id of each row
-        self.pad_lens = pad_lens  # left-padding positions of each row (never stored)
-        self.leaders = leaders  # row whose prompt blocks this row shares (itself if none), prefill only
-        self.layer_lens = layer_lens  # dense positions each layer has stored
-        self.num_dense = 0  # dense positions granted (max of layer_lens)
-        self.slot_index: torch.Tensor | None = None  # [batch, num_dense] int64 slot, -1 = padding
-        self.write_rows: torch.Tensor | None = None  # [batch] bool, rows that write this step (prefill forks)
