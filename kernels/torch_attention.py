@@ -25,8 +25,8 @@ slots may hold NaN (``KVPool`` allocates with ``torch.empty``) and block-table e
 sequence's blocks may be any value.
 
 ``reshape_and_cache_torch`` writes a step's K/V with one ``index_copy_`` per cache when no slot is -1.
-Both read metadata on the host (``int(...)``, ``.tolist()``), so a CUDA graph cannot capture them:
-``host_sync = True`` (``ModelRunner`` keeps graphs off for such backends).
+Both read metadata on the host (``int(...)``, ``.tolist()``), so a CUDA graph cannot capture them: the backend
+says ``graph_capturable=False`` (``attention.resolve_backend``), and ``ModelRunner`` keeps graphs off.
 """
 
 from dataclasses import dataclass, field
@@ -176,7 +176,6 @@ def paged_attention_torch(
     return out
 
 
-paged_attention_torch.host_sync = True
 paged_attention_torch.plan = plan_attention
 
 
@@ -223,6 +222,3 @@ def reshape_and_cache_torch(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     key_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-
-
-reshape_and_cache_torch.host_sync = True

@@ -155,13 +155,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.cache.block_manager, self._check_stop)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size)
 
-        write_kv, attend = resolve_backend(self.config.attention_backend, device)
+        backend = resolve_backend(self.config.attention_backend, device)
         self.requests: dict[str, _Request] = {}
         self._install()
         t0 = time.perf_counter()
         try:
             self.runner = ModelRunner(
-                model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
+                model, self.cache, backend, max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
                 use_cuda_graphs=not self.config.enforce_eager, compile_layers=self.config.compile_layers,
                 fuse_projections=self.config.fuse_projections, cpu_prepack_weights=self.config.cpu_prepack_weights,

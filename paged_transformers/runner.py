@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import cpu_linear
-from .attention import ATTENTION_NAME, AttentionMetadata
+from .attention import ATTENTION_NAME, AttentionMetadata, AttentionOps
 from .kv_pool import KVPool
 from .scheduler import SchedulerOutput
 from .weights import WeightsChange
@@ -100,14 +100,14 @@ class ModelRunner:
     Args:
         model: a transformers causal LM whose ``attn_implementation`` is ``ATTENTION_NAME``.
         cache: the KV pool the attention reads and writes.
-        write_kv, attend: the attention backend's functions (``attention.resolve_backend``).
+        backend: the attention backend's functions (``attention.resolve_backend``).
         max_num_seqs, max_num_batched_tokens: engine limits (buffer sizes); default: the batch of the
             biggest step seen is not bounded, so both must be given for the buffers (the engine does).
         max_model_len: longest sequence in tokens (block-table width; the graphs' ``max_seq_len`` bound).
         use_cuda_graphs: replay decode steps from CUDA graphs, each bucket's graph captured at its first
-            decode step (``_graph_bucket``). Honoured only on CUDA and with a backend whose functions say they
-            launch without reading metadata on the host (``host_sync = False``; the torch backends call
-            ``.tolist()``, which cannot be captured); otherwise the runner stays eager.
+            decode step (``_graph_bucket``). Honoured only on CUDA and with a backend that says it can be captured
+            (``backend.graph_capturable``; the torch backend calls ``.tolist()``, which cannot be); otherwise the
+            runner stays eager.
         compile_layers: ``torch.compile`` the decoder layers around the attention (``compile.py``);
             None: exactly when decode graphs are used. Compiled at construction by dummy forwards
             (``_compile``); a compile error leaves the layers eager and
@@ -128,8 +128,7 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         cache: KVPool,
-        write_kv,
-        attend,
+        backend: AttentionOps,
         *,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
@@ -146,8 +145,8 @@ class ModelRunner:
                 raise ValueError(f"{name} must be positive, got {value}")
         self.model = model
         self.cache = cache
-        self.write_kv = write_kv
-        self.attend = attend
+        self.write_kv = backend.write_kv
+        self.attend = backend.attend
         self.device = cache.device
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -157,9 +156,7 @@ class ModelRunner:
         self._alloc_buffers()
         self._staged: torch.cuda.Event | None = None  # recorded after prepare's host-to-device copies
 
-        # a backend that reads metadata on the host (.tolist(), int(...)) cannot be captured; unmarked: assume it does
-        self.graphs_enabled = (bool(use_cuda_graphs) and self.device.type == "cuda"
-                               and not getattr(attend, "host_sync", True) and not getattr(write_kv, "host_sync", True))
+        self.graphs_enabled = bool(use_cuda_graphs) and self.device.type == "cuda" and backend.graph_capturable
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}  # bucket -> static [1, bucket, vocab] output
         self.graph_sizes = graph_batch_sizes(max_num_seqs) if self.graphs_enabled else []
