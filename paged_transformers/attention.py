@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
-from .kv_pool import KVPool
 from .config import AttentionBackend
+from .kv_pool import KVPool
 
 # NOTE: transformers keys behaviour off the substrings flash, sdpa, flex, "paged|" and "/" in an
 # implementation name; this one contains none of them, so it gets attention_mask=None.

@@ -26,15 +26,8 @@ class PagedCache(Cache):
     It subclasses ``transformers.Cache`` so it can stand where transformers expects a cache; the K/V tensors and
     the block manager are the pool's (``pool.key_cache``, ``block_manager``).
 
-    Args:
-        num_layers: decoder layers (one K and one V tensor each).
-        num_blocks: blocks in the pool.
-        block_size: tokens per block.
-        num_kv_heads, head_dim: the model's KV shape.
-        dtype, device: of the cache tensors (the model's compute dtype and device).
-
-    Raises:
-        ValueError: a size that is not positive.
+    Args and errors: those of the ``KVPool`` it builds (layers, blocks, tokens per block, KV heads, head_dim, dtype,
+    device); ``from_model`` reads them from a model.
     """
 
     def __init__(
@@ -50,7 +43,7 @@ class PagedCache(Cache):
         super().__init__(layers=[])
         self.pool = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.num_layers = num_layers
-        # generate() state (see the NOTE above set_prompt_padding)
+        # generate() state: the rows of the generation in progress, and the prompt padding for the next one
         self._rows: GenerateRows | None = None
         self._pad_hint: list[int] | None = None
 

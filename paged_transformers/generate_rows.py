@@ -8,7 +8,8 @@ generate()'s tensors and count left padding; stored tokens do not::
                                   written, zeros)    |   slot block_table[(p-pad)//bs]*bs + (p-pad)%bs
 
 In the first forward a row may be a copy of an earlier row of the batch, its leader (``leaders[b] != b``): it holds
-the leader's blocks by reference and writes nothing until ``unshare`` gives it blocks of its own.
+the leader's blocks by reference and writes nothing in that forward unless ``unshare`` gives it blocks of its own.
+After the forward it holds them as a fork: its first write into a shared block copies the block.
 """
 
 import itertools
@@ -18,7 +19,7 @@ import torch
 from .block_manager import BlockCopy
 from .kv_pool import KVPool
 
-# NOTE: negative ids, so generate() rows can never collide with the engine's Sequence ids (>= 0).
+# NOTE: one counter for the process, so a pool never sees a row id twice; negative, unlike the engine's Sequence ids.
 _generate_seq_ids = itertools.count(-1, -1)
 
 
