@@ -8,14 +8,15 @@ Cache layout, per layer (vLLM's flash layout)::
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot = block_id * block_size + offset          (slot_mapping entries, int64; -1 = skip)
 
-| function (Triton) / reference (PyTorch) | what | module |
+| function (Triton) / reference (PyTorch) | what | wrapper and reference / Triton kernels |
 |---|---|---|
-| ``reshape_and_cache`` / ``reshape_and_cache_ref`` | write a step's K/V into its slots | ``cache_ops`` |
-| ``paged_attention`` / ``paged_attention_ref`` | ragged prefill + decode attention, split-KV decode | ``paged_attention`` |
+| ``reshape_and_cache`` / ``reshape_and_cache_ref`` | write a step's K/V into its slots | ``cache_ops`` / ``cache_ops_kernels`` |
+| ``paged_attention`` / ``paged_attention_ref`` | ragged prefill + decode attention, split-KV decode | ``paged_attention`` / ``paged_attention_kernels`` |
 
+The other families have the same shape (``_launch.py``): ``argmax``, ``gemv``, and the ``w4a16`` subpackage.
 The ``"torch"`` backend (CPU's path), ``torch_attention.paged_attention_torch`` / ``reshape_and_cache_torch``, has
 the same contracts and attends the whole ragged batch in batched ops; it is tested against the references.
-Each function's ``host_sync`` attribute says whether it reads metadata on the host (no CUDA graph then).
+Whether a backend can be captured in a CUDA graph is declared by ``attention.AttentionOps.graph_capturable``.
 
 Importing this package imports neither triton nor a ``@triton.jit`` kernel: they load on the first
 launch (see ``_launch.py`` for why).

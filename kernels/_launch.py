@@ -1,9 +1,17 @@
-"""Helpers shared by the launch wrappers of ``cache_ops`` and ``paged_attention``.
+"""Helpers shared by the kernel families of this package.
 
-NOTE: the Triton kernel modules (``cache_kernels``, ``unified_attention``) are imported on the first
-launch, not with this package. Triton decides between compiling and interpreting when a kernel is
-*defined* (from ``TRITON_INTERPRET``), so an early import, e.g. by another kernel module of this
-package, must not fix that choice; and the PyTorch references must work without triton installed.
+Each family has one shape, in two modules::
+
+    <family>.py           the launch wrapper (validates its arguments, derives the grid) and the PyTorch reference
+    <family>_kernels.py   its @triton.jit kernels, imported by the wrapper on its first launch (load_triton_kernels)
+
+(``cache_ops``, ``paged_attention``, ``argmax``, ``gemv``; ``w4a16/`` is a subpackage of the same parts: ``matmul``
+the wrapper, ``reference``, the ``*_kernels`` modules.)
+
+NOTE: the Triton kernel modules are imported on the first launch, not with this package. Triton decides between
+compiling and interpreting when a kernel is *defined* (from ``TRITON_INTERPRET``), so an early import, e.g. by
+another kernel module of this package, must not fix that choice; and the PyTorch references must work without
+triton installed.
 """
 
 import functools
@@ -60,8 +68,9 @@ def _kernels_of(mod) -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 stands in for the interpreter on CPU."""
+def num_sms(device: torch.device, stand_in: int) -> int:
+    """Streaming multiprocessors of a CUDA device, or ``stand_in`` for any other device (the Triton interpreter on
+    CPU has none): each launch heuristic says what its CPU runs should behave like."""
     if device.type != "cuda":
-        return 4
+        return stand_in
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -41,7 +41,7 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    kernels = load_triton_kernels("cache_kernels", key.device)
+    kernels = load_triton_kernels("cache_ops_kernels", key.device)
     kernels._reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -49,9 +49,6 @@ def reshape_and_cache(
         H_PAD=next_power_of_2(num_kv_heads), D_PAD=next_power_of_2(head_dim),
         num_warps=4,
     )
-
-
-reshape_and_cache.host_sync = False  # nothing read back: CUDA graphs can capture it
 
 
 def _check_cache_args(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -108,6 +105,3 @@ def reshape_and_cache_ref(
     slots = slot_mapping[valid]
     key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[valid]
     value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[valid]
-
-
-reshape_and_cache_ref.host_sync = True  # boolean-mask indexing reads the mask on the host

@@ -15,7 +15,7 @@ The K/V of the whole context, new tokens included, are read from the cache throu
 Scores are ``scale * q.k``, then ``softcap * tanh(score / softcap)`` when a softcap is given
 (Gemma-2), then softmax over the allowed keys; the softmax is computed in float32.
 
-``paged_attention`` launches the Triton kernels of ``unified_attention.py``; ``paged_attention_ref``
+``paged_attention`` launches the Triton kernels of ``paged_attention_kernels.py``; ``paged_attention_ref``
 is the PyTorch reference (and the ``"torch"`` backend). Launch plan of the Triton path::
 
     launch 1 (decode tiles, 16 rows): sequences with q_len <= BLOCK_Q     grid (num_seqs, num_kv_heads, num_kv_splits)
@@ -43,6 +43,7 @@ MAX_HEAD_DIM = 256
 SPLIT_PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 192
 MAX_KV_SPLITS = 128
+INTERPRETER_NUM_SMS = 4  # SMs that CPU (interpreter) runs plan for: few splits, so the runs stay short
 INT32_MAX = 2**31 - 1
 
 
@@ -55,7 +56,7 @@ class KernelConfig:
     by one through the block table, so a tile may span several blocks or part of one).
     ``prefetch_block_ids`` loads the next KV tile's block ids one iteration ahead, which lets Triton's
     pipeliner keep ``num_stages`` K/V buffers in flight (without it: 2 buffers and a wait for every copy
-    at each tile; see ``unified_attention._attend_tiles``). ``fma_scores`` applies the softmax scale
+    at each tile; see ``paged_attention_kernels._attend_tiles``). ``fma_scores`` applies the softmax scale
     inside the exponent (one FFMA per score). The H200 sweep (``bench_kernels.py --prefill-sweep``) chose
     both for the prefill tiles of ``pick_config``.
     """
@@ -104,7 +105,7 @@ def pick_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, devic
     splits of ~500 keys; batch 64 x 8 KV heads -> 1 (512 programs already).
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    want = cdiv(SPLIT_PROGRAMS_PER_SM * num_sms(device), programs)
+    want = cdiv(SPLIT_PROGRAMS_PER_SM * num_sms(device, INTERPRETER_NUM_SMS), programs)
     return max(1, min(want, cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), MAX_KV_SPLITS))
 
 
@@ -192,9 +193,6 @@ def paged_attention(
     return out
 
 
-paged_attention.host_sync = False  # with the host bounds given it reads nothing back: CUDA graphs can capture it
-
-
 @dataclass(frozen=True, slots=True)
 class QueryBand:
     """One launch: the sequences with ``min_q_len <= q_len <= max_q_len``, computed with tiles ``cfg``."""
@@ -224,7 +222,7 @@ def plan_launches(max_query_len: int, num_queries_per_kv: int, head_dim: int, dt
 def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
                      sliding_window, softcap, num_kv_splits: int, bands: list[QueryBand]) -> None:
     """Launch the kernels on validated inputs with explicit launches (``paged_attention`` and benchmarks)."""
-    kernels = load_triton_kernels("unified_attention", query.device)
+    kernels = load_triton_kernels("paged_attention_kernels", query.device)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -313,7 +311,6 @@ def _check_attention_args(query, key_cache, value_cache, block_tables, seq_lens,
     check_device(key_cache.device, **tensors)
 
 
-
 def paged_attention_ref(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -381,6 +378,3 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
-
-
-paged_attention_ref.host_sync = True  # .tolist() of the metadata: no CUDA graph can capture it

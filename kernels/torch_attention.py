@@ -21,12 +21,12 @@ Scores are those of the reference: ``scale * q.k``, ``softcap * tanh(score / sof
 given (Gemma-2), masked softmax over keys, float32 softmax. Without a softcap each band is one
 ``scaled_dot_product_attention`` call (GQA through ``enable_gqa``); with one, explicit matmuls in float32.
 Clamping key positions into the context means no slot past a sequence's context is read: never-written
-slots may hold NaN (``PagedCache`` allocates with ``torch.empty``) and block-table entries past a
+slots may hold NaN (``KVPool`` allocates with ``torch.empty``) and block-table entries past a
 sequence's blocks may be any value.
 
 ``reshape_and_cache_torch`` writes a step's K/V with one ``index_copy_`` per cache when no slot is -1.
-Both read metadata on the host (``int(...)``, ``.tolist()``), so a CUDA graph cannot capture them:
-``host_sync = True`` (``ModelRunner`` keeps graphs off for such backends).
+Both read metadata on the host (``int(...)``, ``.tolist()``), so a CUDA graph cannot capture them: the backend
+says ``graph_capturable=False`` (``attention.resolve_backend``), and ``ModelRunner`` keeps graphs off.
 """
 
 from dataclasses import dataclass, field
@@ -176,7 +176,6 @@ def paged_attention_torch(
     return out
 
 
-paged_attention_torch.host_sync = True
 paged_attention_torch.plan = plan_attention
 
 
@@ -223,6 +222,3 @@ def reshape_and_cache_torch(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     key_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-
-
-reshape_and_cache_torch.host_sync = True

@@ -154,3 +154,36 @@ def test_passed_again_continues_like_dynamic_cache(tiny_model):
         outs.append(model.generate(first, attention_mask=first_mask, **{cache_kwarg(model): cache}, **kwargs))
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], model.generate(ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 8}))
+
+
+def test_copies_share_only_while_their_kv_is_equal(tiny_model):
+    """Rows of one ``num_return_sequences`` group share the prompt's blocks only while their K/V are equal in
+    every layer. Here layer 1's K depends on the row's place in the batch (as when a kernel's rounding depends
+    on it): layer-0 K of the copies are equal, layer 1's are not. The old rule (equal layer-0 K: share, and the
+    copies' own K/V are never written) made the second copy attend to the first's layer-1 K."""
+    model = tiny_model("llama")
+    ids, mask = left_pad(PROMPTS[:2])
+    noise = torch.randn(64, model.config.num_key_value_heads * model.config.head_dim,
+                        generator=torch.Generator().manual_seed(3))
+
+    def by_row(module, args, out):  # [batch, tokens, kv_dim]: row b gets b * noise at each position
+        rows = torch.arange(out.shape[0], dtype=out.dtype)[:, None, None]
+        return out + 0.5 * rows * noise[: out.shape[1]]
+
+    handle = model.model.layers[1].self_attn.k_proj.register_forward_hook(by_row)
+    try:
+        kwargs = dict(attention_mask=mask, max_new_tokens=3, pad_token_id=0, do_sample=True, num_return_sequences=2,
+                      return_dict_in_generate=True, output_logits=True)
+        cache = PagedCache.from_model(model, num_blocks=64, block_size=4)
+        cache.set_prompt_padding(mask)
+        torch.manual_seed(0)
+        paged = model.generate(ids, **{cache_kwarg(model): cache}, **kwargs)
+        torch.manual_seed(0)
+        stock = model.generate(ids, **kwargs)
+    finally:
+        handle.remove()
+    for step, (ours, theirs) in enumerate(zip(paged.logits, stock.logits)):
+        torch.testing.assert_close(ours, theirs, msg=lambda m: f"step {step}: {m}")
+    assert torch.equal(paged.sequences, stock.sequences)
+    bm = cache.block_manager
+    assert all(bm.ref_cnt[b] == 1 for t in bm.block_tables.values() for b in t), "unequal copies share a block"

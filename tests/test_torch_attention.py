@@ -14,7 +14,7 @@ import torch
 
 from paged_transformers.core.attention import resolve_backend
 from paged_transformers.config import AttentionBackend
-from paged_transformers.kernels import paged_attention, paged_attention_ref, reshape_and_cache_ref
+from paged_transformers.kernels import paged_attention_ref, reshape_and_cache_ref
 from paged_transformers.kernels.torch_attention import paged_attention_torch, reshape_and_cache_torch
 
 # ||out - ref|| / ||ref||: both compute in float32 from the same inputs; bf16 adds the output's rounding
@@ -143,10 +143,9 @@ def test_reshape_and_cache_matches_the_reference(skip):
 
 
 def test_backends_declare_whether_they_read_the_host():
-    """The torch path is the product's CPU backend (and ``"torch"`` everywhere), and says it reads metadata on
-    the host, which keeps CUDA graphs off (``ModelRunner``); the Triton wrapper does not."""
+    """The torch path is the product's CPU backend (and ``"torch"`` everywhere), and says a CUDA graph cannot capture
+    it (it reads metadata on the host), which keeps CUDA graphs off (``ModelRunner``)."""
     for backend in (AttentionBackend.TORCH, AttentionBackend.AUTO):
-        write_kv, attend = resolve_backend(backend, torch.device("cpu"))
-        assert (write_kv, attend) == (reshape_and_cache_torch, paged_attention_torch)
-        assert write_kv.host_sync and attend.host_sync
-    assert paged_attention_ref.host_sync and paged_attention.host_sync is False
+        ops = resolve_backend(backend, torch.device("cpu"))
+        assert (ops.write_kv, ops.attend) == (reshape_and_cache_torch, paged_attention_torch)
+        assert ops.graph_capturable is False

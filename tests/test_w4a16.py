@@ -232,7 +232,7 @@ REGIMES = [
 def test_default_config_regimes_match_reference(M, N, K, group_size, bits, dtype, device, algo, monkeypatch):
     # the config default_config picks for the H200 (132 SMs; device and dtype as given), run under the interpreter
     # with fp32 x against the reference (the TC kernel there unpacks with bit ops instead of its inline PTX)
-    monkeypatch.setattr(dispatch, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(dispatch, "num_sms", lambda device, stand_in: 132)
     cfg = k.default_config(M, N, K, group_size, device, bits, dtype)
     assert cfg.algo is algo, cfg
     if HAS_CUDA:

@@ -2,10 +2,13 @@
 
 import dataclasses
 import enum
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from .._launch import num_sms
+
+TUNED_NUM_SMS = 132  # the H200 the rules were tuned on: off CUDA, default_config picks the split-K it gets
 
 
 class W4A16Algo(enum.Enum):
@@ -66,14 +69,6 @@ class W4A16Config:
     def __str__(self) -> str:
         return (f"{self.algo.value} {self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}")
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 for anything else: the H200 we tune on)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int = 4) -> int:
@@ -166,5 +161,5 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     cfg = rule.config
     if not rule.programs_per_sm:
         return cfg
-    split = split_k_for(-(-N // cfg.block_n), -(-K // cfg.block_k), _num_sms(device), rule.programs_per_sm)
+    split = split_k_for(-(-N // cfg.block_n), -(-K // cfg.block_k), num_sms(device, TUNED_NUM_SMS), rule.programs_per_sm)
     return dataclasses.replace(cfg, split_k=split)

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 from transformers import AttentionInterface
 
-from ..integration.cache import PagedCache
 from ..config import AttentionBackend
+from .kv_pool import KVPool
 
 # NOTE: transformers keys behaviour off the substrings flash, sdpa, flex, "paged|" and "/" in an
 # implementation name; this one contains none of them, so it gets attention_mask=None.
@@ -34,7 +34,7 @@ class AttentionMetadata:
                query_start_loc[0]=0  query_start_loc[1]   ...   query_start_loc[num_seqs]=num_tokens
     """
 
-    cache: PagedCache
+    cache: KVPool  # the engine's K/V tensors (key_cache[layer], value_cache[layer])
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V goes to
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: context length in tokens, this step's tokens included
@@ -46,16 +46,29 @@ class AttentionMetadata:
     attend_plan: object = None  # attend.plan(...) of this step, given to every layer's attend (backends with one)
 
 
-def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Callable, Callable]:
-    """Pick ``(write_kv, attend)`` for ``backend`` on ``device``.
+@dataclass(frozen=True, slots=True)
+class AttentionOps:
+    """One attention backend: the functions the attention calls, and whether a CUDA graph can capture them.
+
+    An ``attend`` with a ``plan`` attribute gets ``plan=attend.plan(block_tables, seq_lens, query_start_loc,
+    block_size, num_tokens, max_query_len, max_seq_len)``, made once per step by the runner and shared by every layer.
+    """
+
+    write_kv: Callable[..., None]  # reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    attend: Callable[..., torch.Tensor]  # paged_attention(query, key_cache, value_cache, block_tables, ...)
+    # True: given max_query_len / max_seq_len, neither function reads metadata on the host (.tolist(), int(...)),
+    # so a decode step can be recorded in a CUDA graph (``ModelRunner``)
+    graph_capturable: bool
+
+
+def resolve_backend(backend: AttentionBackend, device: torch.device) -> AttentionOps:
+    """The functions of ``backend`` on ``device``.
 
     ``AUTO`` is Triton on CUDA and the PyTorch implementation elsewhere (``kernels/torch_attention.py``: the
-    whole ragged batch in batched ops; ``paged_attention_ref`` stays the reference it is tested against).
-    ``TRITON`` on a CPU tensor needs the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is
-    imported). Each function's ``host_sync`` attribute says whether it reads metadata on the host (then a
-    CUDA graph cannot capture it). An ``attend`` with a ``plan`` attribute gets ``plan=attend.plan(block_tables,
-    seq_lens, query_start_loc, block_size, num_tokens, max_query_len, max_seq_len)``, made once per step by
-    the runner and shared by every layer.
+    whole ragged batch in batched ops, reading metadata on the host, so no CUDA graph; ``paged_attention_ref``
+    stays the reference it is tested against). ``TRITON`` on a CPU tensor needs the Triton interpreter
+    (``TRITON_INTERPRET=1`` set before triton is imported); its wrappers read nothing back, so graphs can
+    capture them.
 
     Raises:
         RuntimeError: Triton asked for on CPU without ``TRITON_INTERPRET=1``, or triton not installed.
@@ -65,7 +78,7 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Ca
     if backend is AttentionBackend.TORCH:
         from ..kernels.torch_attention import paged_attention_torch, reshape_and_cache_torch
 
-        return reshape_and_cache_torch, paged_attention_torch
+        return AttentionOps(reshape_and_cache_torch, paged_attention_torch, graph_capturable=False)
     import os
 
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -77,7 +90,7 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> tuple[Ca
         from ..kernels import paged_attention, reshape_and_cache
     except ImportError as e:
         raise RuntimeError(f"attention_backend='triton' needs the triton package: {e}") from e
-    return reshape_and_cache, paged_attention
+    return AttentionOps(reshape_and_cache, paged_attention, graph_capturable=True)
 
 
 @torch.compiler.disable  # the split point of compiled decoder layers (compile.py): never traced

@@ -21,11 +21,11 @@ from typing import Callable, Iterator
 import torch
 
 from .attention import resolve_backend
-from ..integration.cache import PagedCache
 from ..integration.compat import can_set_attn_implementation
 from ..config import EngineConfig
 from .engine_inputs import check_sampling_params, tokenize, validate_prompt
 from .engine_lifecycle import EngineLifecycle, check_loaded_model, check_not_attached, eos_token_ids
+from .kv_pool import KVPool
 from .messages import ModelRunnerOutput, SchedulerOutput
 from .output_processor import EngineRequest, OutputProcessor
 from ..outputs import RequestMetrics, RequestOutput
@@ -120,12 +120,12 @@ class LLMEngine(EngineLifecycle):
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, device)
         self._in_flight: _InFlight | None = None  # async scheduling: the step left running on the device
-        write_kv, attend = resolve_backend(self.config.attention_backend, device)
+        backend = resolve_backend(self.config.attention_backend, device)
         self._install()
         t0 = time.perf_counter()
         try:
             self.runner = ModelRunner(
-                model, self.cache, write_kv, attend, max_num_seqs=self.config.max_num_seqs,
+                model, self.cache, backend, max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
                 use_cuda_graphs=not self.config.enforce_eager, compile_layers=self.config.compile_layers,
                 fuse_projections=self.config.fuse_projections, cpu_prepack_weights=self.config.cpu_prepack_weights,
@@ -150,7 +150,7 @@ class LLMEngine(EngineLifecycle):
         """
         num_layers, num_kv_heads, head_dim = model_kv_shape(self.model.config)
         block_size = self.config.block_size
-        bytes_per_block = PagedCache.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        bytes_per_block = KVPool.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
         t0 = time.perf_counter()
         num_blocks = num_kv_blocks(self.model, self.config, self.max_model_len, bytes_per_block)
         sizing_s = time.perf_counter() - t0
@@ -161,7 +161,7 @@ class LLMEngine(EngineLifecycle):
                 f"({num_blocks * block_size} tokens, {bytes_per_block} bytes per block), fewer than the "
                 f"{needed} blocks one max_model_len={self.max_model_len} sequence needs; raise the KV budget or lower max_model_len"
             )
-        self.cache = PagedCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        self.cache = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         return sizing_s
 
     # -- requests --------------------------------------------------------------------------------

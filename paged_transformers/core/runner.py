@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_linear
-from .attention import ATTENTION_NAME, AttentionMetadata
-from ..integration.cache import PagedCache
+from .attention import ATTENTION_NAME, AttentionMetadata, AttentionOps
 from ..integration.compat import attn_implementation
 from .input_batch import InputBatch
+from .kv_pool import KVPool
 from .messages import SchedulerOutput
 from .weights import WeightsChange
 
@@ -75,15 +75,15 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM whose ``attn_implementation`` is ``ATTENTION_NAME``.
-        cache: the paged cache the attention reads and writes.
-        write_kv, attend: the attention backend's functions (``attention.resolve_backend``).
+        cache: the KV pool the attention reads and writes.
+        backend: the attention backend's functions (``attention.resolve_backend``).
         max_num_seqs, max_num_batched_tokens: engine limits (buffer sizes); default: the batch of the
             biggest step seen is not bounded, so both must be given for the buffers (the engine does).
         max_model_len: longest sequence in tokens (block-table width; the graphs' ``max_seq_len`` bound).
         use_cuda_graphs: replay decode steps from CUDA graphs, each bucket's graph captured at its first
-            decode step (``compilation.DecodeGraphs``). Honoured only on CUDA and with a backend whose functions
-            say they launch without reading metadata on the host (``host_sync = False``; the torch backends call
-            ``.tolist()``, which cannot be captured); otherwise the runner stays eager.
+            decode step (``compilation.DecodeGraphs``). Honoured only on CUDA and with a backend that says it can
+            be captured (``backend.graph_capturable``; the torch backend calls ``.tolist()``, which cannot be);
+            otherwise the runner stays eager.
         compile_layers: ``torch.compile`` the decoder layers around the attention (``compilation/layers.py``);
             None: exactly when decode graphs are used. Compiled at construction by dummy forwards
             (``_compile``); a compile error leaves the layers eager and is recorded in
@@ -103,9 +103,8 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        cache: PagedCache,
-        write_kv,
-        attend,
+        cache: KVPool,
+        backend: AttentionOps,
         *,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
@@ -122,8 +121,8 @@ class ModelRunner:
                 raise ValueError(f"{name} must be positive, got {value}")
         self.model = model
         self.cache = cache
-        self.write_kv = write_kv
-        self.attend = attend
+        self.write_kv = backend.write_kv
+        self.attend = backend.attend
         self.device = cache.device
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -133,9 +132,7 @@ class ModelRunner:
         self.batch = InputBatch(self.max_num_tokens, max_num_seqs, self.max_num_blocks_per_seq, cache.block_size, self.device)
         vars(self).update(self.batch.device_buffers())  # the forward reads the batch's tensors: self.input_ids, ...
 
-        # a backend that reads metadata on the host (.tolist(), int(...)) cannot be captured; unmarked: assume it does
-        graphs_on = (bool(use_cuda_graphs) and self.device.type == "cuda"
-                     and not getattr(attend, "host_sync", True) and not getattr(write_kv, "host_sync", True))
+        graphs_on = bool(use_cuda_graphs) and self.device.type == "cuda" and backend.graph_capturable
         self.record_steps = False
         self.steps: list[StepTrace] = []
         compile_on = compile_layers if compile_layers is not None else graphs_on

@@ -1,46 +1,33 @@
-"""``PagedCache``: the per-layer KV block pools and the block manager that hands their blocks out.
+"""``PagedCache``: a ``transformers.Cache`` whose K/V live in blocks of a ``KVPool``, for stock ``generate()``.
 
-Two users:
+``model.generate(..., past_key_values=cache)`` (``cache=`` on transformers >= 5.24) keeps one block table per
+batch row, writes each step's K/V into blocks, and hands the model's own attention (eager / SDPA) a dense
+``[batch, num_kv_heads, kv_length, head_dim]`` view gathered through the block tables. Left-padding tokens are
+never written (their rows in the view are zeros, and the attention mask hides them); ``num_return_sequences``
+copies of a prompt share its blocks by reference; beam search reorders block tables with reference counts
+(``reorder_cache``) instead of copying K/V; a write into a shared block copies it first.
 
-- the engine (``LLMEngine``), which owns the block tables through ``block_manager`` and writes K/V with
-  the paged attention function;
-- ``model.generate(..., past_key_values=cache)`` (``cache=`` on transformers >= 5.24): then the cache
-  keeps one block table per batch row, writes each step's K/V into blocks, and hands the model's own
-  attention (eager / SDPA) a dense ``[batch, num_kv_heads, kv_length, head_dim]`` view gathered
-  through the block tables. Left-padding tokens are never written (their rows in the view are
-  zeros, and the attention mask hides them); ``num_return_sequences`` copies of a prompt share its
-  blocks by reference; beam search reorders block tables with reference counts
-  (``reorder_cache``) instead of copying K/V; a write into a shared block copies it first.
+The engine does not use this class: it owns a ``kv_pool.KVPool`` directly.
 """
-
-import itertools
 
 import torch
 from transformers import Cache
 
-from ..core.block_manager import BlockCopy, BlockManager
+from ..core.block_manager import BlockManager
+from ..core.kv_pool import KVPool
+from .generate_rows import GenerateRows
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size (bytes) -> int dtype
 
 
 class PagedCache(Cache):
-    """The paged KV cache of one model: K and V tensors allocated once, plus per-sequence block tables.
+    """The paged KV cache of one ``generate()`` batch: a ``KVPool`` plus one block table per batch row.
 
-    Per layer (vLLM's flash layout; ``slot = block_id * block_size + offset``)::
+    It subclasses ``transformers.Cache`` so it can stand where transformers expects a cache; the K/V tensors and
+    the block manager are the pool's (``pool.key_cache``, ``block_manager``).
 
-        key_cache[layer], value_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
-
-    The block tables live in ``block_manager`` (``block_manager.block_tables[seq_id]``). A request
-    holds ``ceil(num_tokens / block_size)`` blocks; nothing is reserved up to ``max_model_len``.
-    It subclasses ``transformers.Cache`` so it can stand where transformers expects a cache.
-
-    Args:
-        num_layers: decoder layers (one K and one V tensor each).
-        num_blocks: blocks in the pool.
-        block_size: tokens per block.
-        num_kv_heads, head_dim: the model's KV shape.
-        dtype, device: of the cache tensors (the model's compute dtype and device).
-
-    Raises:
-        ValueError: a size that is not positive.
+    Args and errors: those of the ``KVPool`` it builds (layers, blocks, tokens per block, KV heads, head_dim, dtype,
+    device); ``from_model`` reads them from a model.
     """
 
     def __init__(
@@ -54,28 +41,11 @@ class PagedCache(Cache):
         device: torch.device | str,
     ):
         super().__init__(layers=[])
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.pool = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.num_layers = num_layers
-        self._shape, self._dtype = (num_blocks, block_size, num_kv_heads, head_dim), dtype
-        self.device = torch.empty(0, device=device).device  # resolved ("cuda" -> "cuda:0"); kept after release()
-        self.allocate()
-        # generate() state (see the module docstring); untouched by the engine.
-        self._rows: _GenerateRows | None = None
+        # generate() state: the rows of the generation in progress, and the prompt padding for the next one
+        self._rows: GenerateRows | None = None
         self._pad_hint: list[int] | None = None
-
-    def allocate(self) -> None:
-        """(Re)allocate the K/V tensors, uninitialized, in the shape, dtype and device the cache was made with
-        (at construction, and ``LLMEngine.wake_up`` after ``release``)."""
-        self.key_cache = [torch.empty(self._shape, dtype=self._dtype, device=self.device) for _ in range(self.num_layers)]
-        self.value_cache = [torch.empty(self._shape, dtype=self._dtype, device=self.device) for _ in range(self.num_layers)]
-
-    def release(self) -> None:
-        """Drop the K/V tensors (``LLMEngine.close`` and ``sleep``): their memory can go back to the device. The
-        block manager, with its counters, stays; the cache holds no K/V until ``allocate``."""
-        self.key_cache, self.value_cache = [], []
 
     @classmethod
     def from_model(
@@ -118,37 +88,21 @@ class PagedCache(Cache):
         dtype = dtype or model_compute_dtype(model)
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device or next(model.parameters()).device)
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    @property
+    def block_manager(self) -> BlockManager:
+        """The pool's ``BlockManager``: the rows' block tables (``block_tables[seq_id]``), ref counts, free blocks."""
+        return self.pool.block_manager
 
     @property
     def num_blocks(self) -> int:
-        return self.block_manager.num_blocks
+        return self.pool.num_blocks
 
     @property
     def block_size(self) -> int:
-        return self.block_manager.block_size
+        return self.pool.block_size
 
-    def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        """Copy whole blocks (copy-on-write) in every layer: ``dst <- src`` for each pair."""
-        if not copies:
-            return
-        device = self.device
-        src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=device)
-        for k, v in zip(self.key_cache, self.value_cache):
-            k[dst] = k[src]
-            v[dst] = v[src]
-
-    # -- generate() path -------------------------------------------------------------------------
-    # NOTE: transformers' generate() and the model's attention layers call these. Each batch row is a
-    # sequence with its own block table; "dense" positions count left padding, stored tokens do not:
-    #
-    #   dense position p of row b:   0 .. pad_lens[b]-1 | pad_lens[b] .. num_dense-1
-    #                                (padding, never     | real token p - pad_lens[b], at
-    #                                 written, zeros)    |   slot block_table[(p-pad)//bs]*bs + (p-pad)%bs
+    # -- generate() path: transformers' generate() and the model's attention layers call these --------------
+    # (the rows' block tables and their "dense" positions: generate_rows.py)
 
     def set_prompt_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Tell the cache which prompt positions are left padding, so they are never written.
@@ -184,8 +138,7 @@ class PagedCache(Cache):
         """Free every block a ``generate()`` call holds, so the cache can serve a new batch. Without it, the
         next ``generate()`` call continues from the cached tokens, as with a ``DynamicCache`` passed again."""
         if self._rows is not None:
-            for seq_id in self._rows.seq_ids:
-                self.block_manager.free(seq_id)
+            self._rows.free()
         self._rows = None
         self._pad_hint = None
 
@@ -208,7 +161,7 @@ class PagedCache(Cache):
         """
         batch, num_kv_heads, num_new, head_dim = key_states.shape
         if self._rows is None:
-            self._rows = self._start(key_states)
+            self._rows = self._start(batch)
         rows = self._rows
         if batch != len(rows.seq_ids):
             # NOTE: no automatic reset: a cache passed to generate() again continues its generation (as a
@@ -220,16 +173,18 @@ class PagedCache(Cache):
             )
         start = rows.layer_lens[layer_idx]
         if start == rows.num_dense:  # the first layer to see these positions grants their slots
-            self._grant(num_new)
+            rows.grant(num_new)
         assert start + num_new == rows.num_dense, (layer_idx, start, num_new, rows.num_dense)
         rows.layer_lens[layer_idx] = rows.num_dense
+        if rows.sharing:
+            self._unshare_unequal_copies(key_states, value_states)
         slots = rows.slot_index  # [batch, num_dense] int64, -1 = padding
         new_slots = slots[:, start:].reshape(-1)
         write = new_slots >= 0
-        if rows.write_rows is not None:  # forked prompt copies: only the first of each group writes
+        if rows.write_rows is not None:  # prompt copies that share their leader's blocks do not write
             write &= rows.write_rows.repeat_interleave(num_new)
-        k_pool = self.key_cache[layer_idx].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-        v_pool = self.value_cache[layer_idx].view(-1, num_kv_heads, head_dim)
+        k_pool = self.pool.key_cache[layer_idx].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        v_pool = self.pool.value_cache[layer_idx].view(-1, num_kv_heads, head_dim)
         # [B, Hkv, T, D] -> [B*T, Hkv, D]
         k_new = key_states.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
         v_new = value_states.transpose(1, 2).reshape(-1, num_kv_heads, head_dim)
@@ -242,117 +197,68 @@ class PagedCache(Cache):
         keys = torch.where(valid, k_pool[gather], 0.0).transpose(1, 2)
         values = torch.where(valid, v_pool[gather], 0.0).transpose(1, 2)
         if layer_idx == self.num_layers - 1:
-            rows.write_rows = None
+            rows.end_forward()
         return keys, values
 
-    def _start(self, key_states: torch.Tensor) -> "_GenerateRows":
-        """Open one sequence per row at the first ``update``; copies of one prompt (``generate()`` expanded
-        the batch with ``repeat_interleave``) are detected from equal K and share the first copy's blocks."""
-        batch = key_states.shape[0]
+    def _start(self, batch: int) -> GenerateRows:
+        """Open one sequence per row at the first ``update``.
+
+        generate() expands a batch of ``len(pad_hint)`` prompts to ``batch`` rows with ``repeat_interleave``
+        (``num_return_sequences``, ``num_beams``), so each group of ``batch // len(pad_hint)`` rows holds copies
+        of one prompt: every row of a group starts as a copy of the group's first row, its leader, and shares
+        the leader's prompt blocks for as long as its K/V equal the leader's (``_unshare_unequal_copies``).
+        """
         hint = self._pad_hint or [0] * batch
         if batch % len(hint):
             raise ValueError(f"generate() batch of {batch} rows does not fit the padding of {len(hint)} rows given to set_prompt_padding")
         group = batch // len(hint)
         pad_lens = [p for p in hint for _ in range(group)]
-        seq_ids = [next(_generate_seq_ids) for _ in range(batch)]
-        leaders = list(range(batch))
-        if group > 1:
-            for b in range(batch):
-                first = b - b % group
-                if b != first and torch.equal(key_states[b], key_states[first]):
-                    leaders[b] = first
-        return _GenerateRows(seq_ids, pad_lens, leaders, [0] * self.num_layers)
+        return GenerateRows(self.pool, pad_lens, [b - b % group for b in range(batch)], self.num_layers)
 
-    def _grant(self, num_new: int) -> None:
-        """Grow every row's block table by ``num_new`` dense positions and rebuild ``slot_index``."""
-        rows, bm = self._rows, self.block_manager
-        old_dense = rows.num_dense
-        rows.num_dense += num_new
-        copies = []
-        for b, seq_id in enumerate(rows.seq_ids):
-            before, after = max(0, old_dense - rows.pad_lens[b]), max(0, rows.num_dense - rows.pad_lens[b])
-            leader = rows.leaders[b]
-            if leader != b and before == 0:
-                bm.fork(rows.seq_ids[leader], seq_id)  # the prompt by reference
-                continue
-            if after > before:
-                granted = bm.allocate_slots(seq_id, before, after - before)
-                if granted is None:
-                    raise RuntimeError(
-                        f"PagedCache pool exhausted: {bm.num_blocks} blocks of {bm.block_size} tokens, "
-                        f"{bm.num_free_blocks} free; build it with more num_blocks"
-                    )
-                copies.extend(granted)
-        self.copy_blocks(copies)
-        rows.write_rows = (
-            torch.tensor([leader == b for b, leader in enumerate(rows.leaders)], device=self.device)
-            if any(leader != b for b, leader in enumerate(rows.leaders)) and old_dense == 0 else None
-        )
-        if old_dense == 0:
-            rows.leaders = list(range(len(rows.seq_ids)))
-        self._build_slot_index()
+    def _unshare_unequal_copies(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Give private blocks to each prompt copy whose K or V in this layer differ from its leader's.
 
-    def _build_slot_index(self) -> None:
-        rows, bm = self._rows, self.block_manager
-        device = self.device
-        tables = [bm.block_tables.get(seq_id, []) for seq_id in rows.seq_ids]
-        width = max(1, max(len(t) for t in tables))
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
-        pad = torch.tensor(rows.pad_lens, dtype=torch.int64, device=device)
-        real = torch.arange(rows.num_dense, device=device)[None, :] - pad[:, None]  # [B, num_dense]
-        block = block_tables.gather(1, real.clamp(min=0) // bm.block_size)
-        slots = block * bm.block_size + real.clamp(min=0) % bm.block_size
-        rows.slot_index = torch.where(real >= 0, slots, -1)
-
-    def _select_rows(self, indices: list[int]) -> None:
-        """New row ``i`` continues old row ``indices[i]``: block tables are shared by reference (ref counts
-        up), the old tables released. A later write into a shared block copies it first."""
-        rows, bm = self._rows, self.block_manager
-        new_ids = [next(_generate_seq_ids) for _ in indices]
-        for new_id, old in zip(new_ids, indices):
-            if rows.seq_ids[old] in bm.block_tables:
-                bm.fork(rows.seq_ids[old], new_id)
-        for seq_id in rows.seq_ids:
-            bm.free(seq_id)
-        rows.seq_ids = new_ids
-        rows.pad_lens = [rows.pad_lens[i] for i in indices]
-        rows.leaders = list(range(len(indices)))
-        self._build_slot_index()
+        A copy shares the leader's blocks only while its K/V are equal bit for bit in every layer seen so far,
+        so its attention reads exactly what it would have written itself. A copy that differs gets its own
+        blocks, filled with the leader's K/V (equal in the earlier layers), and writes from this layer on.
+        """
+        rows = self._rows
+        copies = rows.sharing
+        rows_of = torch.tensor(copies, device=key_states.device)
+        leaders_of = torch.tensor([rows.leaders[b] for b in copies], device=key_states.device)
+        equal = torch.ones(len(copies), dtype=torch.bool, device=key_states.device)
+        for states in (key_states, value_states):
+            bits = states.view(_BITS[states.element_size()])  # [B, Hkv, T, D]: compared bit for bit (NaN, -0.0)
+            equal &= (bits[rows_of] == bits[leaders_of]).flatten(1).all(dim=1)
+        unequal = [b for b, same in zip(copies, equal.tolist()) if not same]
+        if unequal:
+            rows.unshare(unequal)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` continues row ``beam_idx[i]`` (block tables remapped, no K/V copied)."""
         if self._rows is not None:
-            self._select_rows([int(i) for i in beam_idx.tolist()])
+            self._rows.select([int(i) for i in beam_idx.tolist()])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows ``indices`` (in that order)."""
         if self._rows is not None:
-            self._select_rows([int(i) for i in indices.tolist()])
+            self._rows.select([int(i) for i in indices.tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times (by reference)."""
         if self._rows is not None:
-            self._select_rows([b for b in range(len(self._rows.seq_ids)) for _ in range(repeats)])
+            self._rows.select([b for b in range(len(self._rows.seq_ids)) for _ in range(repeats)])
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` dense positions (negative: drop ``-max_length`` from the end);
         blocks past the kept tokens are released."""
         if self._rows is None:
             return
-        rows, bm = self._rows, self.block_manager
+        num_dense = self._rows.num_dense
         if max_length < 0:
-            max_length = rows.num_dense + max_length
-        if max_length >= rows.num_dense:
-            return
-        max_length = max(0, max_length)
-        for b, seq_id in enumerate(rows.seq_ids):
-            table = bm.block_tables.get(seq_id)
-            if table is None:
-                continue
-            bm.truncate(seq_id, bm.blocks_for(max(0, max_length - rows.pad_lens[b])))
-        rows.num_dense = max_length
-        rows.layer_lens = [min(n, max_length) for n in rows.layer_lens]
-        self._build_slot_index()
+            max_length = num_dense + max_length
+        if max_length < num_dense:
+            self._rows.crop(max(0, max_length))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Dense positions (left padding included) the layer has seen; what ``generate()`` calls past length."""
@@ -402,21 +308,3 @@ class PagedCache(Cache):
             f"num_used_blocks={self.block_manager.num_used_blocks})"
         )
 
-
-# NOTE: negative ids, so generate() rows can never collide with the engine's Sequence ids (>= 0).
-_generate_seq_ids = itertools.count(-1, -1)
-
-
-class _GenerateRows:
-    """Per-row state of one ``generate()`` call on a ``PagedCache``."""
-
-    __slots__ = ("seq_ids", "pad_lens", "leaders", "layer_lens", "num_dense", "slot_index", "write_rows")
-
-    def __init__(self, seq_ids: list[int], pad_lens: list[int], leaders: list[int], layer_lens: list[int]):
-        self.seq_ids = seq_ids  # block-manager sequence id of each row
-        self.pad_lens = pad_lens  # left-padding positions of each row (never stored)
-        self.leaders = leaders  # row whose prompt blocks this row shares (itself if none), prefill only
-        self.layer_lens = layer_lens  # dense positions each layer has stored
-        self.num_dense = 0  # dense positions granted (max of layer_lens)
-        self.slot_index: torch.Tensor | None = None  # [batch, num_dense] int64 slot, -1 = padding
-        self.write_rows: torch.Tensor | None = None  # [batch] bool, rows that write this step (prefill forks)
