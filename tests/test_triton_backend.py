@@ -7,6 +7,7 @@ cached context and decode tokens; Gemma-2's sliding window (40 < prompt lengths)
 (5) go through the kernels' window and softcap paths.
 """
 
+import copy
 import os
 
 import pytest
@@ -35,7 +36,7 @@ def generate(model, backend: str) -> list[list[int]]:
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_triton_matches_torch_backend(arch, tiny_model):
-    model = tiny_model(arch).to(DEVICE)
+    model = copy.deepcopy(tiny_model(arch)).to(DEVICE)  # a copy: Module.to moves the shared cached model in place
     want = generate(model, "torch")
     got = generate(model, "triton")
     assert all(len(t) == MAX_TOKENS for t in got)
