@@ -233,25 +233,25 @@ class AsyncEngine:
 
     def _apply_commands(self, engine, block: bool) -> bool:
         """Apply the queued commands (waiting for one when ``block``). Returns False on ``stop``."""
-        added = 0
+        added = applied = 0
         try:
             command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
-            while True:
-                if command[0] == "stop":
-                    return False
+            while command[0] != "stop":
+                applied += 1
                 if command[0] == "add":
                     added += 1
                     self._add(engine, *command[1:])
                 else:
                     engine.abort_request(command[1])
                 command = self._commands.get_nowait()
+            return False
         except queue.Empty:
-            pass
+            return not self._stop.is_set()
         finally:
-            if added:  # published before the loop stops counting them as handed over: never undercounted
+            if applied:  # published before the loop stops counting the added ones as handed over: never undercounted
                 self._publish_snapshot(engine)
+            if added:
                 self._post(self._added, added)
-        return not self._stop.is_set()
 
     def _add(self, engine, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:
