@@ -82,8 +82,8 @@ class AsyncEngine:
         tokenizer: the engine's tokenizer (``LLM.tokenizer``); the front keeps its own copy for the event loop's
             side (tokenizing prompts, detokenizing deltas), so the two threads never share one tokenizer object.
         engine_config: the ``EngineConfig`` (``LLM.engine_config``).
-        max_num_queued_requests: most requests waiting for a seat before ``generate`` refuses new ones with
-            ``QueueFullError``; None: no limit.
+        max_num_queued_requests: most requests waiting for a seat before ``check_admission`` refuses new ones
+            with ``QueueFullError``; None: no limit.
 
     Call ``start()`` on the event loop that will call ``generate``, and ``shutdown()`` at the end.
     """
@@ -157,7 +157,9 @@ class AsyncEngine:
         return check_sampling_params(sampling_params, engine.config, engine.vocab_size, self.tokenizer)
 
     def check_admission(self) -> None:
-        """Whether a new request would be taken now (``generate`` checks again).
+        """Whether a new request is taken now. A server calls it as a request arrives, before its response starts
+        (a streamed response cannot turn into a 503 later); ``generate`` itself only checks that the engine runs.
+        So the queue limit is checked at arrival: requests that arrive together may pass it together.
 
         Raises:
             EngineDeadError: the stepping thread is not running.
@@ -175,11 +177,11 @@ class AsyncEngine:
 
         Raises:
             ValueError: as ``check_request``, before anything is queued.
-            QueueFullError: ``max_num_queued_requests`` requests are waiting.
             EngineDeadError: the stepping thread is not running.
             RuntimeError: the engine failed the request (the exception it raised, as the cause).
         """
-        self.check_admission()
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
         params = self.check_request(prompt_token_ids, sampling_params)
         self._counter += 1
         request_id = str(self._counter)

@@ -25,12 +25,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prepared = []
         for i, prompt in enumerate(prompts):
             ids = list(self.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
-            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
             params = self.sampling_params(request, len(ids), request.max_tokens, request.logprobs)
             try:
                 params = self.check_prompt(ids, params)
             except ServingError as e:
-                raise ServingError(400, f"prompt {i}: {e.message}" if len(prompts) > 1 else e.message, "prompt") from e
+                raise ServingError(400, f"prompt {i}: {e.message}" if len(prompts) > 1 else e.message, e.param) from e
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids) if request.echo else ""
             prepared.append((ids, params, text))
         return prepared
 

@@ -167,7 +167,9 @@ class OpenAIServing:
         try:
             return self.front.check_request(prompt_token_ids, params)
         except ValueError as e:
-            raise ServingError(400, str(e), "prompt" if str(e).startswith("prompt") else None) from e
+            error = bad_request(e, _PASSED_FIELDS + ("stop", "logprobs", "max_tokens"))
+            error.param = error.param or ("prompt" if error.message.startswith("prompt") else None)
+            raise error from e
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, log_id: str) -> AsyncIterator[RequestOutput]:
         """The request's outputs from the engine, recorded in the metrics when it ends (finished or aborted)."""
