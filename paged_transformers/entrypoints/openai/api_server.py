@@ -183,8 +183,9 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
-def app_from_args(args) -> FastAPI:
-    """Load the model the parsed options name (``LLM``: GPTQ/AWQ folders natively) and build the app.
+def load_llm(args) -> tuple[LLM, list[str]]:
+    """Load the model the parsed options name (``LLM``: GPTQ/AWQ folders natively); the ``LLM`` and the served
+    model names (``--served-model-name``, else the model argument, else ``DEFAULT_MODEL_NAME``).
 
     Raises:
         ValueError, NotImplementedError, OSError: as ``LLM`` (a bad option, a missing model, ``--tensor-parallel-size``
@@ -192,7 +193,12 @@ def app_from_args(args) -> FastAPI:
     """
     model = args.model if args.model is not None else str(default_model_path())
     llm = LLM(model, **llm_arguments(args))
-    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    return llm, args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+
+
+def app_from_args(args) -> FastAPI:
+    """The app of the parsed options (``load_llm``, then ``build_app``)."""
+    llm, names = load_llm(args)
     return build_app(llm, names, api_key=args.api_key, chat_template=_chat_template(args.chat_template),
                      max_num_queued_requests=args.max_num_queued_requests, log_requests=not args.disable_log_requests,
                      max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
