@@ -153,6 +153,29 @@ def test_logprobs_are_the_models_log_softmax(client, smollm2):
     assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
+def test_streamed_logprobs_offsets_run_on(http):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    events = _stream_lines(http, "/v1/completions", {**body, "stream": True})
+    parts = [e["choices"][0]["logprobs"] for e in events[:-1]]
+    assert [o for p in parts for o in p["text_offset"]] == whole["text_offset"]
+    assert [t for p in parts for t in p["tokens"]] == whole["tokens"]
+
+
+def test_an_error_mid_stream_is_an_event_then_done():
+    from paged_transformers.entrypoints.openai.serving_engine import sse_frames
+
+    async def chunks():
+        yield {"choices": []}
+        raise RuntimeError("boom")
+
+    async def frames():
+        return [f async for f in sse_frames(chunks())]
+
+    events = sse_events("".join(asyncio.run(frames())).split("\n")[:-1])
+    assert events[0] == {"choices": []} and events[1]["error"]["message"] == "boom" and events[2] == "[DONE]"
+
+
 def test_stop_strings_stop_token_ids_and_request_id(client, http, smollm2):
     _, tokenizer = smollm2
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0).choices[0].text

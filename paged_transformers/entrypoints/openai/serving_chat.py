@@ -4,7 +4,7 @@ import time
 from collections.abc import AsyncIterator
 
 from .protocol import ChatCompletionRequest
-from .serving_engine import SSE_DONE, OpenAIServing, ServingError, clamp_logprob, random_id, sse, top_logprobs, usage
+from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_id, sse_frames, top_logprobs, usage
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -52,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.check_prompt(ids, self.sampling_params(request, len(ids), max_tokens, k))
         response_id, created = random_id("chatcmpl", request_id), int(time.time())
         if request.stream:
-            return self._stream(request, ids, params, response_id, created)
+            return sse_frames(self._stream(request, ids, params, response_id, created))
         (output,) = await self.run_to_end([(ids, params)], response_id, raw_request)
         choices = [{
             "index": comp.index, "message": {"role": "assistant", "content": comp.text},
@@ -63,30 +63,26 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": choices, "usage": usage(len(ids), sum(len(c.token_ids) for c in output.outputs))}  # fmt: skip
 
     async def _stream(self, request: ChatCompletionRequest, ids: list[int], params, response_id: str,
-                      created: int) -> AsyncIterator[str]:  # fmt: skip
+                      created: int) -> AsyncIterator[dict]:  # fmt: skip
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         tail = {"usage": None} if include_usage else {}
         k = (request.top_logprobs or 0) if request.logprobs else None
         num_completion_tokens = 0
-        try:
-            for index in range(params.n):  # the first delta of every choice carries the role (vLLM, OpenAI)
-                choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}  # fmt: skip
-                yield sse({**head, "choices": [choice], **tail})
-            async for delta in self.stream_choices([(ids, params)], response_id):
-                num_completion_tokens += len(delta.token_ids)
-                if not delta.text and delta.finish_reason is None and delta.logprobs is None:
-                    continue
-                choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                          "logprobs": self._logprobs(delta.token_ids, delta.logprobs, k),
-                          "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
-                yield sse({**head, "choices": [choice], **tail})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage(len(ids), num_completion_tokens)})
-        except Exception as e:  # noqa: BLE001 - the stream has started: the error goes in an event
-            yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
-        yield SSE_DONE
+        for index in range(params.n):  # the first delta of every choice carries the role (vLLM, OpenAI)
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}  # fmt: skip
+            yield {**head, "choices": [choice], **tail}
+        async for delta in self.stream_choices([(ids, params)], response_id):
+            num_completion_tokens += len(delta.token_ids)
+            if not delta.text and delta.finish_reason is None and delta.logprobs is None:
+                continue
+            choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": self._logprobs(delta.token_ids, delta.logprobs, k),
+                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
+            yield {**head, "choices": [choice], **tail}
+        if include_usage:
+            yield {**head, "choices": [], "usage": usage(len(ids), num_completion_tokens)}
 
     def _logprobs(self, token_ids: list[int], logprobs, k: int | None) -> dict | None:
         """The chat API's logprobs object (``{"content": [...]}``) of these tokens (None when not asked for)."""

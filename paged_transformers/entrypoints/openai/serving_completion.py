@@ -4,7 +4,7 @@ import time
 from collections.abc import AsyncIterator
 
 from .protocol import CompletionRequest
-from .serving_engine import SSE_DONE, OpenAIServing, ServingError, clamp_logprob, random_id, sse, top_logprobs, usage
+from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_id, sse_frames, top_logprobs, usage
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id, created = random_id("cmpl", request_id), int(time.time())
         requests = [(ids, params) for ids, params, _ in prepared]
         if request.stream:
-            return self._stream(request, prepared, response_id, created)
+            return sse_frames(self._stream(request, prepared, response_id, created))
         outputs = await self.run_to_end(requests, response_id, raw_request)
         choices, num_completion_tokens = [], 0
         for i, (output, (_, params, text)) in enumerate(zip(outputs, prepared)):
@@ -59,37 +59,37 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage(sum(len(ids) for ids, _ in requests), num_completion_tokens)}  # fmt: skip
 
-    async def _stream(self, request: CompletionRequest, prepared, response_id: str, created: int) -> AsyncIterator[str]:
+    async def _stream(self, request: CompletionRequest, prepared, response_id: str, created: int) -> AsyncIterator[dict]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         head = {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name}
         echoed: set[int] = set()
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
         num_completion_tokens = 0
-        try:
-            async for delta in self.stream_choices([(ids, params) for ids, params, _ in prepared], response_id):
-                num_completion_tokens += len(delta.token_ids)
-                text = delta.text
-                if request.echo and delta.index not in echoed:
-                    echoed.add(delta.index)
-                    text = prepared[delta.prompt_index][2] + text
-                if not text and delta.finish_reason is None and delta.logprobs is None:
-                    continue
-                choice = {"index": delta.index, "text": text,
-                          "logprobs": self._logprobs(delta.token_ids, delta.logprobs, request.logprobs),
-                          "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
-                yield sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
-            if include_usage:
-                num_prompt_tokens = sum(len(ids) for ids, _, _ in prepared)
-                yield sse({**head, "choices": [], "usage": usage(num_prompt_tokens, num_completion_tokens)})
-        except Exception as e:  # noqa: BLE001 - the stream has started: the error goes in an event
-            yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
-        yield SSE_DONE
+        async for delta in self.stream_choices([(ids, params) for ids, params, _ in prepared], response_id):
+            num_completion_tokens += len(delta.token_ids)
+            text = delta.text
+            if request.echo and delta.index not in echoed:
+                echoed.add(delta.index)
+                text = prepared[delta.prompt_index][2] + text
+            if not text and delta.finish_reason is None and delta.logprobs is None:
+                continue
+            logprobs = self._logprobs(delta.token_ids, delta.logprobs, request.logprobs, offsets.get(delta.index, 0))
+            if logprobs is not None and logprobs["tokens"]:  # the next chunk's offsets go on from this one's
+                offsets[delta.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            choice = {"index": delta.index, "text": text, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # fmt: skip
+            yield {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+        if include_usage:
+            num_prompt_tokens = sum(len(ids) for ids, _, _ in prepared)
+            yield {**head, "choices": [], "usage": usage(num_prompt_tokens, num_completion_tokens)}
 
-    def _logprobs(self, token_ids: list[int], logprobs, k: int | None) -> dict | None:
-        """The completions API's logprobs object of these tokens (None when not asked for)."""
+    def _logprobs(self, token_ids: list[int], logprobs, k: int | None, offset: int = 0) -> dict | None:
+        """The completions API's logprobs object of these tokens (None when not asked for); ``text_offset`` counts
+        characters from ``offset`` (the first token's)."""
         if k is None or logprobs is None:
             return None
         tokens = [self.token_text(t) for t in token_ids]
-        offsets, offset = [], 0
+        offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)

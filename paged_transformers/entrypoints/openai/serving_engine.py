@@ -46,6 +46,18 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+async def sse_frames(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """A streamed response's frames: each chunk as an SSE event, then ``data: [DONE]``, also after an error (sent as
+    an ``{"error": ...}`` event: the response status is already 200). A cancellation (the client left) ends it."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except Exception as e:  # noqa: BLE001 - the stream has started: the error goes in an event
+        logger.exception("a streamed request failed")
+        yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
+    yield SSE_DONE
+
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}  # fmt: skip
