@@ -165,11 +165,14 @@ class AsyncEngine:
             EngineDeadError: the stepping thread is not running.
             QueueFullError: ``max_num_queued_requests`` requests are waiting.
         """
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
+        self._check_running()
         limit = self.max_num_queued_requests
         if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(f"{limit} requests are already waiting (max_num_queued_requests={limit})")
+
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its ``RequestOutput``s (cumulative snapshots; the last one has
@@ -180,8 +183,7 @@ class AsyncEngine:
             EngineDeadError: the stepping thread is not running.
             RuntimeError: the engine failed the request (the exception it raised, as the cause).
         """
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
+        self._check_running()
         params = self.check_request(prompt_token_ids, sampling_params)
         self._counter += 1
         request_id = str(self._counter)

@@ -33,7 +33,7 @@ class ResponseFormat(OpenAIBaseModel):
     type: str
 
 
-class _SamplingFields(OpenAIBaseModel):
+class SamplingFields(OpenAIBaseModel):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras). None: the server default
     (the model's generation config, as vLLM's ``--generation-config auto``, else ``SamplingParams``')."""
 
@@ -87,7 +87,7 @@ class _SamplingFields(OpenAIBaseModel):
         return bad
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: Prompt
@@ -110,7 +110,7 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

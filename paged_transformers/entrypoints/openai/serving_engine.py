@@ -17,7 +17,7 @@ from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
 from ..async_engine import AsyncEngine
 from .metrics import ServerMetrics
-from .protocol import _SamplingFields
+from .protocol import SamplingFields
 
 logger = logging.getLogger("paged_transformers.serve")
 
@@ -115,7 +115,7 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         return self.front.engine.max_model_len
 
-    def check_request(self, request: _SamplingFields) -> None:
+    def check_request(self, request: SamplingFields) -> None:
         """Raises ``ServingError``: 404 for another model's name, 400 for a field this server does not serve."""
         if request.model is not None and request.model not in self.served_model_names:
             raise ServingError(404, f"The model `{request.model}` does not exist.", "model")
@@ -126,7 +126,7 @@ class OpenAIServing:
         if ignored:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
-    def sampling_params(self, request: _SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
+    def sampling_params(self, request: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:  # fmt: skip
         """The request's ``SamplingParams``: its fields over the server defaults. ``max_tokens`` None: up to
         ``max_model_len`` (vLLM's rule for chat).
