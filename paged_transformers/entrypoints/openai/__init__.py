@@ -1,0 +1,2 @@
+"""The OpenAI-compatible server (``api_server``); needs the ``[serve]`` extra (FastAPI, uvicorn, pydantic,
+prometheus-client)."""

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an ``AsyncEngine``, run by uvicorn.
+
+Launch it as ``paged-transformers serve MODEL [options]`` or, with vLLM's module path,
+``python -m paged_transformers.entrypoints.openai.api_server --model MODEL [options]`` (``cli_args.py``).
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (JSON, or server-sent events with ``stream``),
+``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``, ``/metrics`` (Prometheus, vLLM's names).
+Errors use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 401 for a
+missing or wrong API key, 404 for an unknown model, 413 for a body over ``--max-request-body-bytes``, 503 (with
+``Retry-After``) while ``--max-num-queued-requests`` requests wait. SIGTERM stops accepting connections, lets the
+requests in flight finish (up to ``SHUTDOWN_TIMEOUT_S``, then aborts them), stops the engine and exits 0.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ... import __version__
+from ...default_model import DEFAULT_MODEL_NAME, default_model_path
+from ..async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from ..llm import LLM
+from .cli_args import DEFAULT_MAX_BODY_BYTES, llm_arguments, make_arg_parser
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .middleware import RequestGuard
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .serving_chat import OpenAIServingChat
+from .serving_completion import OpenAIServingCompletion
+from .serving_engine import ClientDisconnected, ServingError
+
+logger = logging.getLogger("paged_transformers.serve")
+
+SHUTDOWN_TIMEOUT_S = 10.0  # seconds a SIGTERM waits for requests in flight before aborting them
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _respond(result) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def build_app(llm: LLM, served_model_names: list[str] | None = None, *, api_key: str | None = None,
+              chat_template: str | None = None, max_num_queued_requests: int | None = None, log_requests: bool = True,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
+    """The server's ASGI app for a loaded ``LLM``: its engine starts with the app (lifespan) and stops with it.
+
+    Args:
+        llm: the model, tokenizer and engine config to serve (it needs a tokenizer).
+        served_model_names: names a request's ``model`` may take; default ``[DEFAULT_MODEL_NAME]``.
+        api_key: when set, ``/v1`` endpoints need ``Authorization: Bearer <api_key>``.
+        chat_template: a Jinja template replacing the tokenizer's.
+        max_num_queued_requests: see ``AsyncEngine``.
+        log_requests: log each request at INFO.
+        max_request_body_bytes: larger bodies get a 413.
+
+    Raises:
+        ValueError: an ``llm`` without a tokenizer, a bad ``max_num_queued_requests``.
+    """
+    if llm.tokenizer is None:
+        raise ValueError("the server needs a tokenizer (an LLM built with skip_tokenizer_init=True has none)")
+    names = list(served_model_names or [DEFAULT_MODEL_NAME])
+    front = AsyncEngine(llm.model, llm.tokenizer, llm.engine_config, max_num_queued_requests)
+    metrics = ServerMetrics(front, names[0])
+    common = (front, names, llm.get_default_sampling_params(), metrics, log_requests)
+    completion = OpenAIServingCompletion(*common)
+    chat = OpenAIServingChat(*common, chat_template=chat_template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        front.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            front.shutdown()
+
+    app = FastAPI(title="paged-transformers", version=__version__, lifespan=lifespan)
+    app.state.front, app.state.metrics = front, metrics
+    _add_error_handlers(app)
+    _add_routes(app, front, names, completion, chat, metrics)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_body_bytes)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServingError)
+    async def serving_error(request, e: ServingError):
+        return _error(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: {err.get('msg')}"
+                            for err in errors[:5])  # fmt: skip
+        return _error(400, message or "invalid request", loc[0] if loc else None)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request, e: QueueFullError):
+        return _error(503, str(e), None, {"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request, e: EngineDeadError):
+        return _error(503, str(e), None, {"Retry-After": "5"})
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request, e: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail), None, getattr(e, "headers", None))
+
+
+def _add_routes(app: FastAPI, front: AsyncEngine, names: list[str], completion, chat, metrics: ServerMetrics) -> None:
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        front.check_admission()
+        return _respond(await completion.create_completion(request, raw_request, raw_request.headers.get("x-request-id")))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        front.check_admission()
+        return _respond(await chat.create_chat_completion(request, raw_request, raw_request.headers.get("x-request-id")))
+
+    @app.get("/v1/models")
+    async def list_models():
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "paged-transformers", "root": names[0],
+                 "max_model_len": front.engine.max_model_len} for name in names]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        if (request.prompt is None) == (request.messages is None):
+            raise ServingError(400, "give exactly one of prompt and messages", "prompt")
+        if request.messages is not None:
+            ids = chat.render(request.messages, request.add_generation_prompt)
+        else:
+            ids = list(completion.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
+        return {"count": len(ids), "max_model_len": front.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        vocab_size = front.engine.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ServingError(400, f"tokens outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
+        return {"prompt": completion.tokenizer.decode(request.tokens)}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if front.is_running else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's contents, or the value itself when it is no file."""
+    if value is not None and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def load_llm(args) -> tuple[LLM, list[str]]:
+    """Load the model the parsed options name (``LLM``: GPTQ/AWQ folders natively); the ``LLM`` and the served
+    model names (``--served-model-name``, else the model argument, else ``DEFAULT_MODEL_NAME``).
+
+    Raises:
+        ValueError, NotImplementedError, OSError: as ``LLM`` (a bad option, a missing model, ``--tensor-parallel-size``
+            the engine does not support).
+    """
+    model = args.model if args.model is not None else str(default_model_path())
+    llm = LLM(model, **llm_arguments(args))
+    return llm, args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+
+
+def app_from_args(args) -> FastAPI:
+    """The app of the parsed options (``load_llm``, then ``build_app``)."""
+    llm, names = load_llm(args)
+    return build_app(llm, names, api_key=args.api_key, chat_template=_chat_template(args.chat_template),
+                     max_num_queued_requests=args.max_num_queued_requests, log_requests=not args.disable_log_requests,
+                     max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
+
+
+def run_server(args) -> int:
+    """Serve until SIGTERM or SIGINT (graceful: see the module docstring). Returns the exit status, 0."""
+    app = app_from_args(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)  # fmt: skip
+    # uvicorn re-raises the signal it stopped on once it is done; the shutdown is complete by then, so let that
+    # raise be a no-op and exit 0 (the default SIGTERM action would end the process with -15)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+class ServerThread:
+    """The server on a free port in a background thread of this process (tests; ``bench serve --model``)::
+
+        with ServerThread(build_app(llm)) as server:
+            openai.OpenAI(base_url=server.url + "/v1", api_key="-")...
+
+    Args:
+        app: the ASGI app (``build_app``).
+        host: the address to listen on; ``port`` 0: a free port (``.port`` says which).
+        log_level: uvicorn's.
+
+    Raises (on entering):
+        RuntimeError: the server did not start (its lifespan failed: the log says why) within ``start_timeout_s``.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 start_timeout_s: float = 300.0):  # fmt: skip
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True,
+                                       name="paged-transformers-server")  # fmt: skip
+        self.start_timeout_s = start_timeout_s
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not start (see its log)")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """Shut down as on SIGTERM (graceful), and wait for it."""
+        self.server.should_exit = True
+        self.thread.join()
+        self.socket.close()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m paged_transformers.entrypoints.openai.api_server --model MODEL [options]``."""
+    args = make_arg_parser("python -m paged_transformers.entrypoints.openai.api_server").parse_args(argv)
+    return run_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The OpenAI API's request bodies as pydantic models (vLLM's field names and defaults), and the error envelope.
+
+As in vLLM, a field the API does not know is ignored with a warning (``ignored_fields``), so clients that send
+newer OpenAI fields keep working; a known field whose feature this server does not have (tools, structured
+output, beam search, ...) is refused with a 400 naming it (``unserved_fields``), never silently dropped.
+"""
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI allows up to 20 top logprobs)
+
+TokenIds = list[StrictInt]
+Prompt = str | list[str] | TokenIds | list[TokenIds]
+
+
+class OpenAIBaseModel(BaseModel):
+    """Unknown fields are kept (``model_extra``) so that they can be named in a warning, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        """The request's fields this API does not know (ignored)."""
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: str
+
+
+class SamplingFields(OpenAIBaseModel):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras). None: the server default
+    (the model's generation config, as vLLM's ``--generation-config auto``, else ``SamplingParams``')."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
+
+    def unserved_fields(self) -> list[str]:
+        """The fields set to something this server cannot do, each as ``"name: why"``."""
+        bad = []
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append(f"best_of: best_of={self.best_of} > n={self.n} (ranking extra samples) is not supported")
+        if self.use_beam_search:
+            bad.append("use_beam_search: beam search is not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            bad.append(f"response_format: type {self.response_format.type!r} (structured output) is not supported")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                bad.append(f"{name}: structured output is not supported")
+        if self.include_stop_str_in_output:
+            bad.append("include_stop_str_in_output: not supported (stop strings are cut from the output)")
+        if self.prompt_logprobs is not None:
+            bad.append("prompt_logprobs: logprobs of prompt tokens are not supported")
+        if self.stream_options is not None and not self.stream:
+            bad.append("stream_options: only allowed with stream=true")
+        return bad
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def unserved_fields(self) -> list[str]:
+        bad = super().unserved_fields()
+        if self.suffix is not None:
+            bad.append("suffix: insertion (fill in the middle) is not supported")
+        if self.echo and self.logprobs is not None:
+            bad.append("echo: echo with logprobs (logprobs of prompt tokens) is not supported")
+        return bad
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unserved_fields(self) -> list[str]:
+        bad = super().unserved_fields()
+        for name in ("tools", "functions", "function_call"):
+            if getattr(self, name):
+                bad.append(f"{name}: tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            bad.append("tool_choice: tool calling is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            bad.append("top_logprobs: needs logprobs=true")
+        return bad
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+ERROR_TYPES: dict[int, str] = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                               413: "RequestTooLargeError", 503: "ServiceUnavailableError",
+                               500: "InternalServerError"}  # fmt: skip
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}`` (``code``: the HTTP status)."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "InternalServerError"), "param": param,
+                      "code": status}}  # fmt: skip

@@ -1,0 +1,325 @@
+"""What completions and chat share: the model-name check, ``SamplingParams`` from a request, running requests
+on the ``AsyncEngine`` with metrics and client-disconnect aborts, SSE framing, usage and logprobs helpers."""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from ...integration.streaming import UNFINISHED, TextStream
+from ...outputs import RequestOutput
+from ...sampling_params import SamplingParams
+from ..async_engine import AsyncEngine
+from .metrics import ServerMetrics
+from .protocol import SamplingFields
+
+logger = logging.getLogger("paged_transformers.serve")
+
+SSE_DONE = "data: [DONE]\n\n"
+_PASSED_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "min_tokens",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty")  # fmt: skip
+
+
+class ServingError(Exception):
+    """A request the server refuses: an HTTP status, a message and the request field at fault (OpenAI's envelope)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def bad_request(error: ValueError, fields=()) -> ServingError:
+    """A 400 for a ``ValueError`` of our checks; ``param`` is the field the message starts with, if any."""
+    message = str(error)
+    first = message.split(" ", 1)[0].split("=", 1)[0]
+    return ServingError(400, message, first if first in fields else None)
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event: ``data: {json}\\n\\n``."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def sse_frames(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """A streamed response's frames: each chunk as an SSE event, then ``data: [DONE]``, also after an error (sent as
+    an ``{"error": ...}`` event: the response status is already 200). A cancellation (the client left) ends it."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except Exception as e:  # noqa: BLE001 - the stream has started: the error goes in an event
+        logger.exception("a streamed request failed")
+        yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
+    yield SSE_DONE
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}  # fmt: skip
+
+
+def random_id(prefix: str, request_id: str | None) -> str:
+    """``prefix-<X-Request-Id>`` when the client sent one, else ``prefix-<random hex>`` (vLLM's ids)."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one choice gained in one engine step, for a streamed response.
+
+    Attributes:
+        index: the choice's index in the response: ``prompt_index * n + sequence index``.
+        prompt_index: which prompt of the request.
+        text: the new text (held back while it could begin a stop string; cut at the stop at the end).
+        token_ids: the new token ids.
+        logprobs: per new token ``{token id: logprob}`` (the top-k and the sampled token), or None.
+        finish_reason, stop_reason: set on the choice's last delta only.
+    """
+
+    index: int
+    prompt_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class OpenAIServing:
+    """The shared half of the completion and chat handlers.
+
+    Args:
+        front: the running ``AsyncEngine``.
+        served_model_names: names a request's ``model`` may take (the first is reported).
+        default_sampling_params: the server's defaults (``LLM.get_default_sampling_params()``).
+        metrics: the server's ``ServerMetrics``.
+        log_requests: log each request's id, prompt length and parameters at INFO.
+    """
+
+    def __init__(self, front: AsyncEngine, served_model_names: list[str], default_sampling_params: SamplingParams,
+                 metrics: ServerMetrics, log_requests: bool = True):  # fmt: skip
+        self.front = front
+        self.tokenizer = front.tokenizer
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.defaults = default_sampling_params
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    @property
+    def max_model_len(self) -> int:
+        return self.front.engine.max_model_len
+
+    def check_request(self, request: SamplingFields) -> None:
+        """Raises ``ServingError``: 404 for another model's name, 400 for a field this server does not serve."""
+        if request.model is not None and request.model not in self.served_model_names:
+            raise ServingError(404, f"The model `{request.model}` does not exist.", "model")
+        unserved = request.unserved_fields()
+        if unserved:
+            raise ServingError(400, "; ".join(unserved), unserved[0].split(":", 1)[0])
+        ignored = request.ignored_fields()
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+
+    def sampling_params(self, request: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:  # fmt: skip
+        """The request's ``SamplingParams``: its fields over the server defaults. ``max_tokens`` None: up to
+        ``max_model_len`` (vLLM's rule for chat).
+
+        Raises:
+            ServingError: 400 for a field out of range (named), or a prompt plus ``max_tokens`` over ``max_model_len``.
+        """
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is not None and max_tokens > room > 0:
+            raise ServingError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                    f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                                    f"prompt, {max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+                               "max_tokens")  # fmt: skip
+        fields = {name: getattr(self.defaults, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        fields.update({name: getattr(request, name) for name in _PASSED_FIELDS if getattr(request, name) is not None})
+        fields["max_tokens"] = max_tokens if max_tokens is not None else max(room, 1)
+        fields["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        fields["logprobs"] = logprobs
+        if request.logit_bias:
+            fields["logits_processors"] = [self._logit_bias(request.logit_bias)]
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            raise bad_request(e, list(fields) + ["max_tokens"]) from e
+
+    def _logit_bias(self, logit_bias: dict[str, float]):
+        """A logits processor adding each bias (clamped to [-100, 100], as OpenAI does) to its token's logit.
+
+        Raises:
+            ServingError: 400 for a key that is not a token id of the vocabulary.
+        """
+        vocab_size = self.front.engine.vocab_size
+        try:
+            ids = [int(key) for key in logit_bias]
+        except ValueError:
+            raise ServingError(400, f"logit_bias keys must be token ids, got {sorted(logit_bias)[:5]}", "logit_bias") from None
+        if any(not 0 <= i < vocab_size for i in ids):
+            raise ServingError(400, f"logit_bias has token ids outside the vocabulary [0, {vocab_size})", "logit_bias")
+        bias = torch.tensor([min(100.0, max(-100.0, v)) for v in logit_bias.values()])
+        index = torch.tensor(ids)
+
+        def apply(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # [1, num_tokens], [1, vocab]
+            scores[:, index.to(scores.device)] += bias.to(scores.device, scores.dtype)
+            return scores
+
+        return apply
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """The engine's own checks on one prompt, as a 400 (``AsyncEngine.check_request``)."""
+        try:
+            return self.front.check_request(prompt_token_ids, params)
+        except ValueError as e:
+            error = bad_request(e, _PASSED_FIELDS + ("stop", "logprobs", "max_tokens"))
+            error.param = error.param or ("prompt" if error.message.startswith("prompt") else None)
+            raise error from e
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, log_id: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs from the engine, recorded in the metrics when it ends (finished or aborted)."""
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", log_id, len(prompt_token_ids), params)
+        arrival, first, last = time.perf_counter(), None, None
+        try:
+            async with contextlib.aclosing(self.front.generate(prompt_token_ids, params)) as outputs:
+                async for output in outputs:
+                    first = first or time.perf_counter()
+                    last = output
+                    yield output
+            self.metrics.record_finished(last, arrival, first, time.perf_counter())
+        finally:
+            if last is not None:
+                self.metrics.record_tokens(len(prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))
+
+    async def stream_choices(self, requests: list[tuple[list[int], SamplingParams]], log_id: str) -> AsyncIterator[ChoiceDelta]:
+        """Run ``(prompt token ids, params)`` requests together, yielding each choice's deltas as the engine makes
+        them, interleaved across choices; each choice's last delta has its ``finish_reason`` (exactly once).
+        Texts are detokenized here, on the event loop, by one ``TextStream`` per choice.
+
+        Raises:
+            RuntimeError: the engine failed a request or a sequence (its error as the cause).
+        """
+        texts: dict[int, TextStream] = {}
+        sent: dict[int, int] = {}  # choice index -> output tokens sent; -1 once finished
+        iterators = [self.generate(ids, params, f"{log_id}-{i}") for i, (ids, params) in enumerate(requests)]
+        async for i, output in merge(iterators):
+            params = requests[i][1]
+            for comp in output.outputs:
+                index = i * params.n + comp.index
+                start = sent.get(index, 0)
+                new_ids = comp.token_ids[start:] if start >= 0 else []
+                if not new_ids and (start < 0 or not comp.finished):
+                    continue
+                if comp.error is not None:
+                    raise RuntimeError(f"sequence {index} failed: {comp.error}") from comp.error
+                if index not in texts:
+                    texts[index] = TextStream(self.tokenizer, True, params.stop)
+                text = texts[index].add(new_ids, comp.stop_reason if comp.finished else UNFINISHED)
+                sent[index] = -1 if comp.finished else len(comp.token_ids)
+                logprobs = comp.logprobs[start : start + len(new_ids)] if comp.logprobs is not None else None
+                yield ChoiceDelta(index, i, text, new_ids, logprobs, comp.finish_reason,
+                                  comp.stop_reason if comp.finished else None)  # fmt: skip
+
+    async def run_to_end(self, requests: list[tuple[list[int], SamplingParams]], log_id: str, raw_request) -> list[RequestOutput]:
+        """The final ``RequestOutput`` of each request, in order (a disconnect aborts them all).
+
+        Raises:
+            ClientDisconnected: the client went away first.
+            RuntimeError: the engine failed a request or a sequence.
+        """
+
+        async def last_output(i: int, ids: list[int], params: SamplingParams) -> RequestOutput:
+            async with contextlib.aclosing(self.generate(ids, params, f"{log_id}-{i}")) as outputs:
+                async for output in outputs:
+                    last = output
+            for comp in last.outputs:
+                if comp.error is not None:
+                    raise RuntimeError(f"sequence {comp.index} of prompt {i} failed: {comp.error}") from comp.error
+            return last
+
+        runs = asyncio.gather(*(last_output(i, ids, params) for i, (ids, params) in enumerate(requests)))
+        return await unless_disconnected(runs, raw_request)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as the logprobs report it."""
+        return self.tokenizer.decode([token_id])
+
+
+async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Items of several async iterators as they come, as ``(iterator index, item)``. Leaving early, or an error in
+    one of them (raised here), cancels and closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, iterator) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, done, e))
+
+    tasks = [asyncio.ensure_future(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for iterator in iterators:
+            await iterator.aclose()
+
+
+async def until_disconnected(raw_request) -> None:
+    """Return once the client of ``raw_request`` (a starlette ``Request`` whose body was read) disconnects."""
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (its requests were aborted)."""
+
+
+async def unless_disconnected(coro, raw_request):
+    """Await ``coro``, cancelling it (which aborts its engine requests) if the client disconnects first.
+
+    Raises:
+        ClientDisconnected: the client disconnected first.
+    """
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(until_disconnected(raw_request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientDisconnected()
+    return task.result()
+
+
+def top_logprobs(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` likeliest ``(token id, logprob)`` of one position, likeliest first (the engine's dict holds the
+    top ``k`` and the sampled token), logprobs clamped at -9999 as vLLM does (JSON has no -inf)."""
+    return [(t, clamp_logprob(lp)) for t, lp in sorted(logprobs.items(), key=lambda item: -item[1])[:k]]
+
+
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, -9999.0)

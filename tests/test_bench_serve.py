@@ -1,0 +1,42 @@
+"""``paged-transformers bench serve`` against a server it starts on the embedded model: every request completes
+with its output length, the JSON record and the plot are written, the table prints; and the record's numbers
+come from the requests (a hand-made ``summarize`` case)."""
+
+import json
+
+import pytest
+
+from serving import skip_without_server_deps
+
+
+def test_bench_serve_runs_rates_and_writes_the_record(smollm2, tmp_path, capsys):
+    skip_without_server_deps()
+    pytest.importorskip("matplotlib")
+    from paged_transformers.cli import main
+
+    out_json, out_png = tmp_path / "serve.json", tmp_path / "serve.png"
+    status = main(["bench", "serve", "--num-requests", "6", "--input-len-range", "4", "12", "--output-len-range", "2",
+                   "4", "--request-rate", "8", "inf", "--max-model-len", "128", "--device", "cpu", "--compare-offline",
+                   "--output-json", str(out_json), "--output-png", str(out_png)])
+    assert status == 0
+    report = json.loads(out_json.read_text())
+    assert [r["request_rate"] for r in report["records"]] == [8.0, "inf"]
+    for record in report["records"]:
+        assert record["completed"] == 6 and record["errors"] == 0
+        assert record["ttft_s"]["p50"] > 0 and record["tpot_s"]["p99"] >= record["tpot_s"]["p50"]
+    assert report["offline"]["num_requests"] == 6
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "offline LLM.generate" in capsys.readouterr().out
+
+
+def test_summarize_counts_from_the_requests():
+    from paged_transformers.bench.serve import RequestResult, summarize
+
+    results = [RequestResult(ok=True, prompt_tokens=10, output_tokens=5, ttft=0.5, e2e=1.5, itl=[0.25] * 4),
+               RequestResult(ok=True, prompt_tokens=10, output_tokens=3, ttft=1.0, e2e=2.0, itl=[0.5] * 2),
+               RequestResult(ok=False, error="HTTP 503")]
+    record = summarize(2.0, results, duration_s=4.0)
+    assert (record["completed"], record["errors"], record["error_examples"]) == (2, 1, ["HTTP 503"])
+    assert record["output_throughput"] == 2.0 and record["total_token_throughput"] == 7.0
+    assert record["tpot_s"]["p50"] == 0.25 and record["tpot_s"]["p99"] == 0.5  # (1.5-0.5)/4, (2-1)/2
+    assert record["ttft_s"]["mean"] == 0.75

@@ -1,0 +1,150 @@
+"""The server under bounded load, and its shutdown.
+
+64 concurrent clients send 4 requests each, streamed or not, with random sampling parameters (a few of them
+invalid), and 10% of the streams disconnect mid-way: every response is well formed, no status is outside
+200/400/503, the KV pool is whole afterwards (metrics) and the server healthy. Then the real command's process
+under SIGTERM: it finishes the request in flight, stops accepting, and exits 0.
+"""
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serving import MODEL, metric, running_server, skip_without_server_deps, sse_events, wait_idle
+
+NUM_CLIENTS, REQUESTS_PER_CLIENT = 64, 4
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    skip_without_server_deps()
+    with running_server({"max_num_seqs": 32}, max_num_queued_requests=48) as server:
+        yield server
+
+
+def _random_request(rng: random.Random) -> tuple[str, dict]:
+    params = {"model": MODEL, "max_tokens": rng.randint(1, 6), "temperature": rng.choice([0, 0.7, 1.0]),
+              "top_p": rng.choice([1.0, 0.9]), "seed": rng.choice([None, rng.randint(0, 99)]),
+              "n": rng.choice([1, 1, 2]), "stream": rng.random() < 0.5}  # fmt: skip
+    if rng.random() < 0.3:
+        params.update(top_k=rng.choice([0, 5, 50]), min_p=rng.choice([0.0, 0.05]), repetition_penalty=1.1)
+    if rng.random() < 0.2:
+        params["stop"] = rng.choice(["\n", ".", [" the", ","]])
+    if rng.random() < 0.05:
+        params["temperature"] = -1.0  # invalid: a 400
+    if rng.random() < 0.5:
+        return "/v1/completions", {**params, "prompt": rng.choice(["Hello", "The weather today", "1, 2, 3,"]),
+                                   "logprobs": rng.choice([None, 2])}  # fmt: skip
+    return "/v1/chat/completions", {**params, "messages": [{"role": "user", "content": rng.choice(["Hi", "Name a color"])}]}
+
+
+def _check_whole(path: str, body: dict, payload: dict) -> None:
+    n = body["n"]
+    assert sorted(c["index"] for c in payload["choices"]) == list(range(n)), payload
+    assert all(c["finish_reason"] in ("stop", "length") for c in payload["choices"]), payload
+    usage = payload["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == usage["total_tokens"]
+    assert 0 < usage["completion_tokens"] <= n * body["max_tokens"]
+
+
+def _check_stream(body: dict, events: list) -> None:
+    assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events[-3:]
+    finished = [c["index"] for e in events[:-1] for c in e["choices"] if c.get("finish_reason")]
+    assert sorted(finished) == list(range(body["n"])), events  # exactly once per choice
+
+
+async def _client(http, rng: random.Random, statuses: list) -> None:
+    for _ in range(REQUESTS_PER_CLIENT):
+        path, body = _random_request(rng)
+        disconnect = body["stream"] and rng.random() < 0.1
+        async with http.stream("POST", path, json=body) as response:
+            statuses.append(response.status_code)
+            if response.status_code != 200:
+                error = json.loads(await response.aread())["error"]
+                assert error["code"] == response.status_code and error["message"]
+                continue
+            if not body["stream"]:
+                _check_whole(path, body, json.loads(await response.aread()))
+                continue
+            lines = []
+            async for line in response.aiter_lines():
+                lines.append(line)
+                if disconnect and len(lines) >= 2:
+                    break  # leave mid-stream: closing the response drops the connection
+            if not disconnect:
+                _check_stream(body, sse_events(lines))
+
+
+def test_bounded_load_with_disconnects(server):
+    import httpx
+
+    async def run() -> list[int]:
+        statuses: list[int] = []
+        limits = httpx.Limits(max_connections=NUM_CLIENTS)
+        async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as http:
+            await asyncio.gather(*(_client(http, random.Random(i), statuses) for i in range(NUM_CLIENTS)))
+        return statuses
+
+    statuses = asyncio.run(asyncio.wait_for(run(), timeout=420))
+    assert len(statuses) == NUM_CLIENTS * REQUESTS_PER_CLIENT
+    assert set(statuses) <= {200, 400, 503}, sorted(set(statuses))
+    assert statuses.count(200) > len(statuses) // 2
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        text = wait_idle(http)
+        assert metric(text, "vllm:kv_cache_usage_perc") == 0
+        assert http.get("/health").status_code == 200
+        ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2):
+    skip_without_server_deps()
+    import httpx
+
+    port = _free_port()
+    command = [sys.executable, "-m", "paged_transformers.entrypoints.openai.api_server", "--port", str(port),
+               "--served-model-name", MODEL, "--max-model-len", "256", "--device", "cpu", "--uvicorn-log-level", "warning"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 24, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            process.send_signal(signal.SIGTERM)
+            events = sse_events([first, *lines])
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert process.wait(timeout=60) == 0, process.stdout.read()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
