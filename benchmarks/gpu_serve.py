@@ -1,0 +1,130 @@
+"""The server against the offline engine on one GPU (issue 20's GPU check), in one process tree:
+
+1. a random-weight checkpoint of a model shape (``bench.MODEL_SHAPES``, bf16) with a word-level tokenizer that has a
+   token for every id of the vocabulary (so any generated id decodes), saved to ``--checkpoint``;
+2. the server (``python -m paged_transformers.entrypoints.openai.api_server``) on it in a subprocess; ``bench serve`` against it at saturation (rate inf), then at
+   half the saturation request rate;
+3. the server stopped (SIGTERM), then the same workload through the offline ``LLM`` on the same checkpoint.
+
+    python benchmarks/gpu_serve.py --out $OUT          # GPU; ~4 min for llama-3-8b
+    python benchmarks/gpu_serve.py --shape tiny-llama --device cpu --out /tmp/x   # the script itself, on CPU
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+
+def workload_args(num_requests: int, vocab_size: int) -> list[str]:
+    """``bench serve``'s workload options: prompts U[64, 512], outputs U[16, 128], ids below ``vocab_size``."""
+    return ["--num-requests", str(num_requests), "--input-len-range", "64", "512", "--output-len-range", "16", "128",
+            "--vocab-size", str(vocab_size), "--workload-seed", "0"]
+
+
+def make_checkpoint(shape: str, path: str, device: str) -> int:
+    """A random bf16 model of ``shape`` and a word-level tokenizer covering its vocabulary, saved to ``path``;
+    returns the vocabulary size."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from paged_transformers.bench import build_model
+
+    model = build_model(shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    vocab_size = model.config.vocab_size
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", eos_token="t1")
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return vocab_size
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    """Seconds until ``url``/health answers 200. Raises RuntimeError when the server exits or times out first."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the server did not answer within {timeout_s} s")
+
+
+def bench_serve(url: str, rate: str, workload: list[str], out_json: str) -> dict:
+    subprocess.run([sys.executable, "-m", "paged_transformers.bench.serve", "--base-url", url, "--served-model-name", "ck",
+                    "--request-rate", rate, *workload, "--output-json", out_json], check=True)
+    with open(out_json) as f:
+        return json.load(f)["records"][0]
+
+
+def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -> dict:
+    from paged_transformers import LLM
+    from paged_transformers.bench.serve import _offline
+    from paged_transformers.bench.workload import synthetic_workload
+
+    llm = LLM(path, max_model_len=max_model_len)
+    requests = synthetic_workload(num_requests, (64, 512), (16, 128), vocab_size, 0)
+    _offline(llm, requests[:8])  # the engine's first steps (graph captures), as the server's warm-up request
+    result = _offline(llm, requests)
+    llm.close()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3-8b")
+    ap.add_argument("--checkpoint", default="/tmp/pt_serve_ck")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu with --shape tiny-llama to try the script")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    vocab_size = min(20000, make_checkpoint(args.shape, args.checkpoint, args.device))
+    workload = workload_args(args.num_requests, vocab_size)
+    report = {"checkpoint_s": time.perf_counter() - t0, "workload": workload}
+    url = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen([sys.executable, "-m", "paged_transformers.entrypoints.openai.api_server", "--model",
+                               args.checkpoint, "--port", str(args.port),
+                               "--served-model-name", "ck", "--max-model-len", str(args.max_model_len),
+                               "--disable-log-requests", "--uvicorn-log-level", "warning"],
+                              stdout=open(os.path.join(args.out, "server.log"), "w"), stderr=subprocess.STDOUT)
+    try:
+        report["server_start_s"] = wait_healthy(url, server, 300)
+        sat = bench_serve(url, "inf", workload, os.path.join(args.out, "serve_inf.json"))
+        half = bench_serve(url, f"{sat['request_throughput'] / 2:.2f}", workload, os.path.join(args.out, "serve_half.json"))
+        report.update(saturation=sat, half_rate=half)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        report["server_exit_code"] = server.wait(timeout=60)
+    report["offline"] = offline(args.checkpoint, args.max_model_len, args.num_requests, vocab_size)
+    report["server_over_offline"] = report["saturation"]["output_throughput"] / report["offline"]["output_throughput"]
+    with open(os.path.join(args.out, "gpu_serve.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    ms = 1e3
+    print(f"{'':28}{'out tok/s':>10}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'TPOT p50 ms':>13}")
+    for name in ("saturation", "half_rate"):
+        r = report[name]
+        print(f"server {name:<21}{r['output_throughput']:10.0f}{r['request_throughput']:8.1f}"
+              f"{r['ttft_s']['p50'] * ms:9.0f}/{r['ttft_s']['p99'] * ms:<8.0f}{r['tpot_s']['p50'] * ms:13.1f}")
+    print(f"{'offline LLM':<28}{report['offline']['output_throughput']:10.0f}")
+    print(f"server at saturation / offline: {report['server_over_offline']:.3f} (target >= 0.90); "
+          f"server exit code after SIGTERM: {report['server_exit_code']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
