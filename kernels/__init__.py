@@ -8,12 +8,18 @@ Cache layout, per layer (vLLM's flash layout)::
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot = block_id * block_size + offset          (slot_mapping entries, int64; -1 = skip)
 
-| function (Triton) / reference (PyTorch) | what | wrapper and reference / Triton kernels |
-|---|---|---|
-| ``reshape_and_cache`` / ``reshape_and_cache_ref`` | write a step's K/V into its slots | ``cache_ops`` / ``cache_ops_kernels`` |
-| ``paged_attention`` / ``paged_attention_ref`` | ragged prefill + decode attention, split-KV decode | ``paged_attention`` / ``paged_attention_kernels`` |
+One folder per family, ``kernels/<family>/``: its ``__init__`` holds the wrapper (which validates every argument and
+launches the kernels) and the PyTorch reference of the same signature; ``triton_kernels.py`` holds the
+``@triton.jit`` kernels (``_launch.py`` says why they are a module of their own).
 
-The other families have the same shape (``_launch.py``): ``argmax``, ``gemv``, and the ``w4a16`` subpackage.
+| function (Triton) / reference (PyTorch) | what | family |
+|---|---|---|
+| ``reshape_and_cache`` / ``reshape_and_cache_ref`` | write a step's K/V into its slots | ``cache_ops/`` |
+| ``paged_attention`` / ``paged_attention_ref`` | ragged prefill + decode attention, split-KV decode | ``paged_attention/`` |
+| ``argmax_rows`` / ``torch.argmax`` | the greedy sampler's row argmax (NaN and ties as torch) | ``argmax/`` |
+| ``gemv`` / ``gemv_ref`` | the batch-1 bf16/fp16 projections | ``gemv/`` |
+| ``w4a16_matmul`` / ``w4a16_matmul_ref`` | GPTQ/AWQ 4-bit projections, a table-driven dispatch | ``w4a16/`` |
+
 The ``"torch"`` backend (CPU's path), ``torch_attention.paged_attention_torch`` / ``reshape_and_cache_torch``, has
 the same contracts and attends the whole ragged batch in batched ops; it is tested against the references.
 Whether a backend can be captured in a CUDA graph is declared by ``attention.AttentionOps.graph_capturable``.

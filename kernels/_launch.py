@@ -1,11 +1,11 @@
 """Helpers shared by the kernel families of this package.
 
-Each family has one shape, in two modules::
+Each family is a folder of one shape::
 
-    <family>.py           the launch wrapper (validates its arguments, derives the grid) and the PyTorch reference
-    <family>_kernels.py   its @triton.jit kernels, imported by the wrapper on its first launch (load_triton_kernels)
+    <family>/__init__.py        the launch wrapper (validates its arguments, derives the grid) and the PyTorch reference
+    <family>/triton_kernels.py  its @triton.jit kernels, imported by the wrapper on its first launch (load_triton_kernels)
 
-(``cache_ops``, ``paged_attention``, ``argmax``, ``gemv``; ``w4a16/`` is a subpackage of the same parts: ``matmul``
+(``cache_ops``, ``paged_attention``, ``argmax``, ``gemv``; ``w4a16/`` has the same parts in more modules: ``matmul``
 the wrapper, ``reference``, the ``*_kernels`` modules.)
 
 NOTE: the Triton kernel modules are imported on the first launch, not with this package. Triton decides between

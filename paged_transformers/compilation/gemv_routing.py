@@ -99,16 +99,18 @@ def route_linears(graph: torch.fx.Graph, device_type: str = "cuda") -> int:
 
 class DecodeLinearPass(CustomGraphPass):
     """Inductor post-grad pass running ``route_linears`` (its ``uuid`` keys Inductor's FX graph cache on this
-    file's and the GEMV kernel's sources)."""
+    file's and the GEMV family's sources)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         route_linears(graph)
 
     def uuid(self) -> bytes:
-        from ..kernels import gemv as gemv_module
+        import importlib.util
 
         digest = hashlib.sha256()
-        for path in (__file__, gemv_module.__file__):
+        kernels = importlib.util.find_spec("paged_transformers.kernels.gemv.triton_kernels").origin
+        wrapper = importlib.util.find_spec("paged_transformers.kernels.gemv").origin
+        for path in (__file__, wrapper, kernels):
             with open(path, "rb") as f:
                 digest.update(f.read())
         return digest.digest()

@@ -15,7 +15,7 @@ The K/V of the whole context, new tokens included, are read from the cache throu
 Scores are ``scale * q.k``, then ``softcap * tanh(score / softcap)`` when a softcap is given
 (Gemma-2), then softmax over the allowed keys; the softmax is computed in float32.
 
-``paged_attention`` launches the Triton kernels of ``paged_attention_kernels.py``; ``paged_attention_ref``
+``paged_attention`` launches the Triton kernels of ``triton_kernels.py``; ``paged_attention_ref``
 is the PyTorch reference (and the ``"torch"`` backend). Launch plan of the Triton path::
 
     launch 1 (decode tiles, 16 rows): sequences with q_len <= BLOCK_Q     grid (num_seqs, num_kv_heads, num_kv_splits)
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._launch import cdiv, check_device, load_triton_kernels, next_power_of_2, num_sms
+from .._launch import cdiv, check_device, load_triton_kernels, next_power_of_2, num_sms
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -56,7 +56,7 @@ class KernelConfig:
     by one through the block table, so a tile may span several blocks or part of one).
     ``prefetch_block_ids`` loads the next KV tile's block ids one iteration ahead, which lets Triton's
     pipeliner keep ``num_stages`` K/V buffers in flight (without it: 2 buffers and a wait for every copy
-    at each tile; see ``paged_attention_kernels._attend_tiles``). ``fma_scores`` applies the softmax scale
+    at each tile; see ``triton_kernels._attend_tiles``). ``fma_scores`` applies the softmax scale
     inside the exponent (one FFMA per score). The H200 sweep (``bench_kernels.py --prefill-sweep``) chose
     both for the prefill tiles of ``pick_config``.
     """
@@ -222,7 +222,7 @@ def plan_launches(max_query_len: int, num_queries_per_kv: int, head_dim: int, dt
 def launch_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
                      sliding_window, softcap, num_kv_splits: int, bands: list[QueryBand]) -> None:
     """Launch the kernels on validated inputs with explicit launches (``paged_attention`` and benchmarks)."""
-    kernels = load_triton_kernels("paged_attention_kernels", query.device)
+    kernels = load_triton_kernels("paged_attention.triton_kernels", query.device)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     num_seqs = seq_lens.shape[0]

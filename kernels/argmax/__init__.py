@@ -9,7 +9,7 @@ bandwidth. The same split-then-merge shape as the split-KV decode attention (``p
 
 import torch
 
-from ._launch import cdiv, load_triton_kernels, next_power_of_2
+from .._launch import cdiv, load_triton_kernels, next_power_of_2
 
 BLOCK = 2048  # entries per stage-1 program: 63 programs per row of a 128,256-entry vocabulary
 
@@ -43,7 +43,7 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
     if num_rows == 0:
         return out
-    kernels = load_triton_kernels("argmax_kernels", x.device)
+    kernels = load_triton_kernels("argmax.triton_kernels", x.device)
     num_chunks = cdiv(V, block)
     values = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=x.device)

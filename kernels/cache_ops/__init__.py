@@ -10,7 +10,7 @@ Layout::
 
 import torch
 
-from ._launch import check_device, load_triton_kernels, next_power_of_2
+from .._launch import check_device, load_triton_kernels, next_power_of_2
 
 
 def reshape_and_cache(
@@ -41,7 +41,7 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    kernels = load_triton_kernels("cache_ops_kernels", key.device)
+    kernels = load_triton_kernels("cache_ops.triton_kernels", key.device)
     kernels._reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

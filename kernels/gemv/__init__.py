@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._launch import cdiv, load_triton_kernels
+from .._launch import cdiv, load_triton_kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     if N == 0 or K == 0:
         return out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand(1, N))
-    kernels = load_triton_kernels("gemv_kernels", x.device)
+    kernels = load_triton_kernels("gemv.triton_kernels", x.device)
     kernels._gemv_kernel[(cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else out, out, N, K, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
