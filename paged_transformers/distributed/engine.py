@@ -43,12 +43,14 @@ class DriverEngine(ShardedEngine):
     """Rank 0's engine: the one scheduler of all ranks. Each step's plan goes to the workers before its forward
     (``protocol.Step``); each lifecycle method runs here, then on the workers (``protocol.Call``).
 
-    ``shutdown`` (set by the launcher) ends the workers after ``close``; ``worker_tables()`` reads their batches.
+    ``shutdown`` (set by the launcher) ends the workers after ``close``; ``worker_processes`` are the ones it started
+    (none under an existing group); ``worker_tables()`` reads the workers' batches.
     """
 
     def __init__(self, *args, **kwargs):
         self._mirror = False  # no messages while constructing: a failed construction fails on every rank
         self.shutdown = None
+        self.worker_processes = []
         super().__init__(*args, **kwargs)
         self._mirror = True
 

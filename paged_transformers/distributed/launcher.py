@@ -45,6 +45,8 @@ from .protocol import Channel, Shutdown
 from .sharding import check_shardable, shard_model
 
 JOIN_TIMEOUT_S = 30.0
+# the open engine whose ranks this process spawned: it owns the default process group, so it is the only one
+_spawned: "weakref.ref[DriverEngine] | None" = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,8 +63,9 @@ class RankSpec:
 
 
 def max_tensor_parallel_size(device_type: str) -> int:
-    """The most ranks one host runs: its CUDA devices, or on CPU its cores (``os.cpu_count()``: one process each)."""
-    return torch.cuda.device_count() if device_type == "cuda" else (os.cpu_count() or 1)
+    """The most ranks one host runs: one per CUDA device; on CPU two per core (``2 * os.cpu_count()``: a gloo rank
+    spends much of a step waiting in collectives, so two share a core; more only slows every rank down)."""
+    return torch.cuda.device_count() if device_type == "cuda" else 2 * (os.cpu_count() or 1)
 
 
 def start_engine(model, *, tokenizer, skip_tokenizer_init: bool, trust_remote_code: bool, dtype: torch.dtype | None,
@@ -76,6 +79,7 @@ def start_engine(model, *, tokenizer, skip_tokenizer_init: bool, trust_remote_co
             before a worker starts. A failure on a rank while starting (its message, the rank named), after which
             every started worker has left.
     """
+    global _spawned
     tp = engine_config.tensor_parallel_size
     folder = resolve_model_path(model)
     config_dict = checkpoint.read_config(folder)
@@ -85,12 +89,16 @@ def start_engine(model, *, tokenizer, skip_tokenizer_init: bool, trust_remote_co
 
     skeleton = build_skeleton(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code), dtype, trust_remote_code)
     check_shardable(skeleton, tp)
+    open_engine = _spawned() if _spawned is not None else None
+    if open_engine is not None and open_engine.shutdown is not None:
+        raise ValueError("another tensor-parallel engine started by this process is open (its ranks hold the default "
+                         "process group): close it first (LLM.close())")
     existing = dist.is_initialized()
     if existing and dist.get_world_size() != tp:
         raise ValueError(f"tensor_parallel_size={tp} but the process group has {dist.get_world_size()} ranks")
     if not existing and tp > max_tensor_parallel_size(device.type):
         raise ValueError(f"tensor_parallel_size={tp} is over the {max_tensor_parallel_size(device.type)} "
-                         f"{'CUDA devices' if device.type == 'cuda' else 'CPU cores'} of this host")
+                         f"{'CUDA devices of this host' if device.type == 'cuda' else 'ranks this host runs on CPU (2 per core)'}")
     threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // tp))
     spec = RankSpec(folder, dtype, device.type, trust_remote_code, engine_config,
                     None if existing else f"tcp://127.0.0.1:{_free_port()}", threads)
@@ -110,6 +118,9 @@ def start_engine(model, *, tokenizer, skip_tokenizer_init: bool, trust_remote_co
         _stop(procs, not existing)
         raise
     engine.shutdown = functools.partial(_shutdown, engine.channel, procs, not existing)
+    engine.worker_processes = procs
+    if not existing:
+        _spawned = weakref.ref(engine)
     atexit.register(_close_at_exit, weakref.ref(engine))
     engine.detach()
     return engine

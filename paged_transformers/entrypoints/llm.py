@@ -39,7 +39,8 @@ class LLM:
         tensor_parallel_size: ranks the model is split over (``paged_transformers.distributed``); with more than 1,
             ``model`` must be a checkpoint folder or hub id, and this process becomes rank 0 and starts the others
             (one process per rank; under ``torchrun`` the existing group's processes: ``distributed.launcher``).
-            At most the host's CUDA devices, or on CPU its cores.
+            At most the host's CUDA devices, or on CPU two per core. On the other ranks of a ``torchrun`` group
+            the constructor serves rank 0 until rank 0's ``LLM`` closes, then exits the process (``SystemExit(0)``).
         dtype: ``"auto"``, ``"half"``/``"float16"``, ``"bfloat16"``, ``"float"``/``"float32"`` or a torch dtype.
             ``"auto"`` on CUDA is vLLM's rule: the config's dtype, float32 cast down to bfloat16 (float16 where the
             device has no bfloat16); on CPU it is float32, where vLLM would pick bfloat16, because CPU half-precision
