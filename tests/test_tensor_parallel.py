@@ -10,12 +10,13 @@ import multiprocessing
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_pool_whole, make_tiny_model, random_prompts, stock_greedy
-from paged_transformers import LLM, PerRequest, SamplingParams, paged_generate
+from conftest import TINY_ARCHS, assert_pool_whole, make_tiny_model, random_prompts, stock_greedy
+from paged_transformers import LLM, PerRequest, SamplingParams, load_model, paged_generate, release
 
 # 5 prompts of up to 50 tokens in 24 blocks of 8 tokens: preemption; prompts over 32 tokens: chunked prefill
 ENGINE = dict(skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=32, block_size=8, num_gpu_blocks=24)
@@ -40,24 +41,33 @@ def saved(tmp_path_factory):
     return get
 
 
+class OneLLM:
+    """``tp_llm(arch_or_folder, tp, **engine_kwargs)``: an ``LLM`` over a saved tiny model (or a checkpoint folder),
+    kept while the following tests ask for the same arguments; ``close()`` before a test starts its own (one
+    tensor-parallel engine per process at a time: the tests are ordered so)."""
+
+    def __init__(self, saved):
+        self.saved, self.key, self.llm = saved, None, None
+
+    def __call__(self, source, tp, **kwargs):
+        key = (source, tp, repr(sorted(kwargs.items())))
+        if key != self.key:
+            self.close()
+            folder = self.saved(source)[1] if source in TINY_ARCHS else source
+            self.llm, self.key = LLM(folder, tensor_parallel_size=tp, **{**ENGINE, **kwargs}), key
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.close()
+        self.key = self.llm = None
+
+
 @pytest.fixture(scope="module")
 def tp_llm(saved):
-    """``tp_llm(arch, tp, **engine_kwargs)``: an ``LLM`` over the saved tiny model, kept while the following tests
-    ask for the same arguments (one tensor-parallel engine per process at a time: the tests are ordered so)."""
-    current = {}
-
-    def get(arch, tp, **kwargs):
-        key = (arch, tp, repr(sorted(kwargs.items())))
-        if key not in current:
-            for llm in current.values():
-                llm.close()
-            current.clear()
-            current[key] = LLM(saved(arch)[1], tensor_parallel_size=tp, **{**ENGINE, **kwargs})
-        return current[key]
-
-    yield get
-    for llm in current.values():
-        llm.close()
+    one = OneLLM(saved)
+    yield one
+    one.close()
 
 
 def tokens(outs) -> list[list[int]]:
@@ -156,3 +166,78 @@ def test_greedy_equals_stock(tp_llm, saved, arch, tp):
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
     assert tokens(paged_generate(model, PROMPTS, GREEDY, use_tqdm=False)) == want  # tp=1
     assert_ranks_agree(llm)
+
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "models"
+
+
+# tiny-qwen2-awq-4bit-g128: 128-row groups straddle both row splits at tp=2, so o_proj and down_proj stay whole
+# and gather their input; the GPTQ act-order o_proj does too, while its down_proj splits by the permuted rows
+@pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"fixtures folder {FIXTURES} (../shared/fixtures beside the repo) is missing")
+@pytest.mark.parametrize("name", ["tiny-llama-gptq-4bit-g32-actorder-asym", "tiny-llama-awq-4bit-g64-gemm",
+                                  "tiny-qwen2-awq-4bit-g128-gemm"])
+def test_quantized_greedy_equals_tp1(tp_llm, name):
+    model = load_model(FIXTURES / name, dtype=torch.float32, device="cpu")
+    want = tokens(paged_generate(model, PROMPTS, GREEDY, use_tqdm=False))
+    release(model)
+    llm = tp_llm(str(FIXTURES / name), 2, dtype="float32")
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert_ranks_agree(llm)
+
+
+def test_act_order_down_proj_splits_by_permuted_rows():
+    """The GPTQ act-order fixture's down_proj shard holds no permutation and the input features gate/up keep."""
+    from paged_transformers.distributed.sharding import _split_rows
+
+    if not FIXTURES.is_dir():
+        pytest.skip(f"fixtures folder {FIXTURES} is missing")
+    model = load_model(FIXTURES / "tiny-llama-gptq-4bit-g32-actorder-asym", dtype=torch.float32, device="cpu")
+    down = model.model.layers[0].mlp.down_proj
+    perm, full = down.perm.clone(), down.dequantize()  # [out, in], original input order
+    features = _split_rows(down, torch.arange(192, 384), rank=1, tp=2, group=None, free=True)
+    assert down.perm is None and torch.equal(features, perm[192:])
+    assert torch.equal(down.dequantize(), full[:, features])
+
+
+@pytest.mark.parametrize("tp,match", [(3, "does not divide .* num_attention_heads=4"), (0, "positive integer"),
+                                      (True, "positive integer"), (10_000, "over the")])
+def test_bad_tensor_parallel_size(tp_llm, saved, tp, match):
+    tp_llm.close()
+    with pytest.raises(ValueError, match=match):
+        LLM(saved("llama")[1], tensor_parallel_size=tp, **ENGINE)
+    assert not multiprocessing.active_children()
+
+
+def test_unsplittable_architecture_and_loaded_model(tp_llm, saved):
+    tp_llm.close()
+    with pytest.raises(ValueError, match="Phi3ForCausalLM cannot be split"):
+        LLM(saved("phi3")[1], tensor_parallel_size=2, **ENGINE)
+    with pytest.raises(ValueError, match="needs a checkpoint folder"):
+        LLM(saved("llama")[0], tensor_parallel_size=2, **ENGINE)
+    assert not multiprocessing.active_children()
+
+
+def test_close_ends_the_workers(tp_llm, saved):
+    tp_llm.close()
+    llm = LLM(saved("llama")[1], tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.llm_engine.worker_processes)
+    llm.close()
+    assert procs and not any(p.is_alive() for p in procs) and not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("ending", ["raise RuntimeError('driver failed')", "pass  # interpreter exit, no close()"])
+def test_no_worker_outlives_its_driver(saved, ending):
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        from paged_transformers import LLM
+        if __name__ == "__main__":
+            torch.set_num_threads(1)
+            llm = LLM(sys.argv[1], tensor_parallel_size=2, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks=8)
+            print(*[p.pid for p in llm.llm_engine.worker_processes], flush=True)
+            {ending}
+    """)
+    run = subprocess.run([sys.executable, "-c", script, saved("llama")[1]], capture_output=True, text=True, timeout=120)
+    pids = [int(pid) for pid in run.stdout.split()]
+    assert pids, run.stderr[-2000:]
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()

@@ -81,6 +81,9 @@ def start_engine(model, *, tokenizer, skip_tokenizer_init: bool, trust_remote_co
     """
     global _spawned
     tp = engine_config.tensor_parallel_size
+    if not dist.is_initialized() and tp > max_tensor_parallel_size(device.type):
+        raise ValueError(f"tensor_parallel_size={tp} is over the {max_tensor_parallel_size(device.type)} "
+                         f"{'CUDA devices of this host' if device.type == 'cuda' else 'ranks this host runs on CPU (2 per core)'}")
     folder = resolve_model_path(model)
     config_dict = checkpoint.read_config(folder)
     checkpoint.check_checkpoint(folder, config_dict, quantization, engine_config.max_model_len)
@@ -96,9 +99,6 @@ def start_engine(model, *, tokenizer, skip_tokenizer_init: bool, trust_remote_co
     existing = dist.is_initialized()
     if existing and dist.get_world_size() != tp:
         raise ValueError(f"tensor_parallel_size={tp} but the process group has {dist.get_world_size()} ranks")
-    if not existing and tp > max_tensor_parallel_size(device.type):
-        raise ValueError(f"tensor_parallel_size={tp} is over the {max_tensor_parallel_size(device.type)} "
-                         f"{'CUDA devices of this host' if device.type == 'cuda' else 'ranks this host runs on CPU (2 per core)'}")
     threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // tp))
     spec = RankSpec(folder, dtype, device.type, trust_remote_code, engine_config,
                     None if existing else f"tcp://127.0.0.1:{_free_port()}", threads)
