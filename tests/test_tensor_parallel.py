@@ -6,6 +6,7 @@ no process outlives its engine.
 Each engine is started once per module (``tp_llm``): its worker processes are spawned, which dominates the time.
 """
 
+import json
 import multiprocessing
 import subprocess
 import sys
@@ -241,3 +242,18 @@ def test_no_worker_outlives_its_driver(saved, ending):
     assert pids, run.stderr[-2000:]
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_bench_tensor_parallel_flag(tp_llm, saved, tmp_path):
+    from paged_transformers.bench.command import main
+
+    tp_llm.close()
+    with pytest.raises(ValueError, match="needs --model as a checkpoint path"):
+        main(["--model", "llama-3-8b", "--tensor-parallel-size", "2"])
+    out = tmp_path / "report.json"
+    assert main(["--model", saved("llama")[1], "--dtype", "float32", "--device", "cpu", "--tensor-parallel-size", "2",
+                 "--num-requests", "4", "--input-len-range", "8", "16", "--output-len-range", "4", "8",
+                 "--max-model-len", "64", "--no-batch1", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["engine_config"]["tensor_parallel_size"] == 2 and "error" not in report["engines"]["paged"]
+    assert not multiprocessing.active_children()
