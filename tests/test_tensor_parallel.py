@@ -166,6 +166,7 @@ def test_greedy_equals_stock(tp_llm, saved, arch, tp):
     llm = tp_llm(arch, tp)
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
     assert tokens(paged_generate(model, PROMPTS, GREEDY, use_tqdm=False)) == want  # tp=1
+    assert llm.llm_engine.num_pipelined_steps > 0  # async scheduling: steps whose input ids were broadcast on the device
     assert_ranks_agree(llm)
 
 

@@ -121,16 +121,9 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, **engine_kwargs,
         )  # fmt: skip
         device = _parse_device(device)
-        self._parallel = None  # the DriverEngine of a split model
-        if tensor_parallel_size > 1:
-            from ..distributed.launcher import start_engine
-
-            self._parallel = start_engine(
-                model, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init, trust_remote_code=trust_remote_code,
-                dtype=torch_dtype, quantization=quantization, device=device or _default_device(), engine_config=self.engine_config,
-            )  # fmt: skip
-            if self._parallel is None:  # a worker rank of an existing group: it served rank 0 until that closed
-                raise SystemExit(0)
+        self._parallel = None if tensor_parallel_size == 1 else _start_parallel(  # the DriverEngine of a split model
+            model, tokenizer, skip_tokenizer_init, trust_remote_code, torch_dtype, quantization, device, self.engine_config)
+        if self._parallel is not None:
             self.model, self.tokenizer = self._parallel.model, self._parallel.tokenizer
         elif isinstance(model, torch.nn.Module):
             self.model = checkpoint.check_loaded_model(model, torch_dtype, quantization, device)
@@ -161,9 +154,9 @@ class LLM:
 
     def _attached(self):
         """The engine attached for one call (``warm.attached_engine``, or the ``DriverEngine``'s own)."""
-        if self._parallel is not None:
-            return self._parallel.for_call()
-        return warm.attached_engine(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
+        parallel = self._parallel
+        return parallel.for_call() if parallel is not None else warm.attached_engine(
+            self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
 
     def get_tokenizer(self):
         """The tokenizer (None with ``skip_tokenizer_init``)."""
@@ -377,6 +370,17 @@ def _check_tensor_parallel_size(size, model) -> None:
     if size > 1 and not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"tensor_parallel_size={size} needs a checkpoint folder or hub id (every rank loads its shard), "
                          f"got a loaded {type(model).__name__}")
+
+
+def _start_parallel(model, tokenizer, skip_tokenizer_init, trust_remote_code, dtype, quantization, device, engine_config):
+    """Rank 0's ``DriverEngine`` (``start_engine``); another rank of an existing group serves rank 0, then exits."""
+    from ..distributed.launcher import start_engine
+
+    engine = start_engine(model, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init, trust_remote_code=trust_remote_code,
+                          dtype=dtype, quantization=quantization, device=device or _default_device(), engine_config=engine_config)
+    if engine is None:
+        raise SystemExit(0)
+    return engine
 
 
 def _default_device() -> torch.device:
