@@ -258,3 +258,27 @@ def test_bench_tensor_parallel_flag(tp_llm, saved, tmp_path):
     report = json.loads(out.read_text())
     assert report["engine_config"]["tensor_parallel_size"] == 2 and "error" not in report["engines"]["paged"]
     assert not multiprocessing.active_children()
+
+
+def test_under_torchrun_uses_its_group(tp_llm, saved, tmp_path):
+    """Two torchrun processes, each with the gloo group made: rank 0 drives, rank 1 serves inside ``LLM()``."""
+    tp_llm.close()
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, torch.distributed as dist
+        from paged_transformers import LLM, SamplingParams
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        llm = LLM(sys.argv[1], tensor_parallel_size=2, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks=16)
+        outs = llm.generate([[int(t) for t in sys.argv[2:]]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        print("TOKENS", *outs[0].outputs[0].token_ids, flush=True)
+        llm.close()
+        dist.destroy_process_group()
+    """))
+    model, folder = saved("llama")
+    prompt = PROMPTS[0]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), folder]
+    run = subprocess.run(command + [str(t) for t in prompt], capture_output=True, text=True, timeout=120)
+    lines = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("TOKENS")]
+    assert run.returncode == 0 and len(lines) == 1, run.stderr[-3000:]
+    assert [int(t) for t in lines[0]] == stock_greedy(model, prompt, 6)[0]
