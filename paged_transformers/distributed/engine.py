@@ -131,4 +131,5 @@ def serve(engine: ShardedEngine) -> None:
             channel.gather(batch_tables(engine.runner))
         else:
             assert isinstance(message, Shutdown), message
+            channel.gather(None)  # every rank past its last message before any destroys the groups
             return

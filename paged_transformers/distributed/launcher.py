@@ -8,7 +8,8 @@ meta-device skeleton of the model: ``sharding.check_shardable``). Then:
   TCP on 127.0.0.1 (NCCL on CUDA, device ``cuda:<rank>``; gloo on CPU, each worker with ``cpu_count // N`` threads).
 - **Under ``torchrun``** (``torch.distributed`` already initialized, ``world_size == N``): every process runs the same
   script; rank 0's ``start_engine`` returns the driver, the other ranks serve it inside ``start_engine`` and return
-  None once it closes. Across hosts this is torchrun's rendezvous (not tested)::
+  None once it closes (``LLM`` then destroys the default group and exits the process: a gloo group left alive at
+  interpreter exit can abort it). Across hosts this is torchrun's rendezvous (not tested)::
 
       torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 serve.py
       # serve.py: torch.distributed.init_process_group("nccl"); llm = LLM(path, tensor_parallel_size=8); ...
@@ -132,6 +133,7 @@ def run_rank(spec: RankSpec, rank: int) -> None:
     if spec.init_method is not None:
         torch.set_num_threads(spec.num_threads)
         _init_group(spec, rank)
+    engine = None
     try:
         engine = _build_rank(spec, rank, None)
         if engine is not None:
@@ -139,6 +141,8 @@ def run_rank(spec: RankSpec, rank: int) -> None:
     finally:
         if spec.init_method is not None:
             dist.destroy_process_group()
+        elif engine is not None:
+            dist.destroy_process_group(engine.channel.control)
 
 
 def _init_group(spec: RankSpec, rank: int) -> None:
@@ -200,6 +204,7 @@ def _shutdown(channel: Channel, procs: list, own_group: bool) -> None:
     """End the workers of a running engine (module docstring)."""
     try:
         channel.send(Shutdown())
+        channel.gather(None)  # as the workers do: no message in flight when the groups go
     except Exception:  # noqa: BLE001 - a worker already gone: the processes are ended below
         pass
     _stop(procs, own_group, channel)

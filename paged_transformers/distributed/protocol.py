@@ -14,7 +14,8 @@ tells them, so that the collectives inside the forward line up::
     send(Call(name))  after its own engine.name()   engine.name(): attach, detach, sleep, wake_up,
                                                     reset_prefix_cache, close
     send(Query()) + gather                          its persistent batch's block tables, gathered on rank 0
-    send(Shutdown())                                leaves the loop, destroys its process groups, exits
+    send(Shutdown()) + gather                       leaves the loop (after the gather: nothing in flight), destroys
+                                                    its process groups, exits
 
 The plan (``core.messages.SchedulerOutput``) is frozen data keyed by sequence id: the new block ids of each
 sequence, copy-on-write copies, preempted and finished ids. Every rank's runner applies the same diffs to its

@@ -40,7 +40,7 @@ class LLM:
             ``model`` must be a checkpoint folder or hub id, and this process becomes rank 0 and starts the others
             (one process per rank; under ``torchrun`` the existing group's processes: ``distributed.launcher``).
             At most the host's CUDA devices, or on CPU two per core. On the other ranks of a ``torchrun`` group
-            the constructor serves rank 0 until rank 0's ``LLM`` closes, then exits the process (``SystemExit(0)``).
+            the constructor serves rank 0 until rank 0's ``LLM`` closes, then destroys the group and exits (``SystemExit(0)``).
         dtype: ``"auto"``, ``"half"``/``"float16"``, ``"bfloat16"``, ``"float"``/``"float32"`` or a torch dtype.
             ``"auto"`` on CUDA is vLLM's rule: the config's dtype, float32 cast down to bfloat16 (float16 where the
             device has no bfloat16); on CPU it is float32, where vLLM would pick bfloat16, because CPU half-precision
@@ -154,8 +154,7 @@ class LLM:
 
     def _attached(self):
         """The engine attached for one call (``warm.attached_engine``, or the ``DriverEngine``'s own)."""
-        parallel = self._parallel
-        return parallel.for_call() if parallel is not None else warm.attached_engine(
+        return self._parallel.for_call() if self._parallel is not None else warm.attached_engine(
             self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
 
     def get_tokenizer(self):
@@ -379,6 +378,7 @@ def _start_parallel(model, tokenizer, skip_tokenizer_init, trust_remote_code, dt
     engine = start_engine(model, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init, trust_remote_code=trust_remote_code,
                           dtype=dtype, quantization=quantization, device=device or _default_device(), engine_config=engine_config)
     if engine is None:
+        torch.distributed.destroy_process_group()
         raise SystemExit(0)
     return engine
 
