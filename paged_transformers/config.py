@@ -66,6 +66,10 @@ class EngineConfig:
             never packs); never at an engine's first call. False: never. True: pack at engine start too, and
             again after every change. Ignored where the oneDNN route does not apply (CUDA, compiled layers,
             other dtypes). ``sleep()``, ``close()`` and ``reset_prefix_cache()`` drop the packs.
+        tensor_parallel_size: ranks the model's attention heads and MLP are split over (Megatron's column / row
+            split, one all-reduce after the attention output and after the MLP; ``paged_transformers.distributed``).
+            1 (default): one process. ``LLM(path, tensor_parallel_size=N)`` starts the other ranks itself;
+            ``LLMEngine`` takes only 1 (the sharded engines are ``paged_transformers.distributed``'s).
 
     Raises:
         ValueError: a field out of range, naming the field and the value.
@@ -96,6 +100,7 @@ class EngineConfig:
     fuse_projections: bool | None = None
     async_scheduling: bool = True
     cpu_prepack_weights: bool | None = None
+    tensor_parallel_size: int = 1
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -111,7 +116,7 @@ class EngineConfig:
         Raises:
             ValueError: a field of the wrong type or out of range, naming the field and the value.
         """
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

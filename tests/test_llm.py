@@ -184,7 +184,7 @@ def nothing_loaded(monkeypatch):
         (dict(model="/nonexistent/model-folder"), ValueError, "'/nonexistent/model-folder': no such model folder"),
         (dict(quantization="int3"), ValueError, "one of ['gptq', 'awq'], got 'int3'"),
         (dict(quantization="gptq"), ValueError, "quantization='gptq', but the checkpoint"),
-        (dict(tensor_parallel_size=2), NotImplementedError, "tensor_parallel_size=2"),
+        (dict(tensor_parallel_size=2), ValueError, "tensor_parallel_size=2 does not divide LlamaForCausalLM's num_attention_heads=9"),
         (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size must be a positive integer, got 0"),
         (dict(dtype="int8"), ValueError, "got 'int8'"),
         (dict(seed="0"), ValueError, "seed must be an integer or None, got '0'"),

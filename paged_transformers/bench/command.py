@@ -5,6 +5,7 @@ The command: its options (``add_arguments``), the run (``run_bench``), the repor
 """
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -58,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (and no compiled layers)")
     parser.add_argument("--no-compile", action="store_true", help="keep the decoder layers eager (compile_layers=False)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks the model is split over (one process each; --model must be a checkpoint path)")
     parser.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
                         help="also run the paged engine for each value of an EngineConfig field (repeatable; "
                              "the product of all sweeps); results under 'sweep'")
@@ -78,7 +81,7 @@ def _engine_config(args, requests: list[BenchRequest], **overrides) -> EngineCon
                   max_model_len=args.max_model_len or -(-longest // 256) * 256,
                   gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks,
                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                  compile_layers=False if args.no_compile else None)
+                  compile_layers=False if args.no_compile else None, tensor_parallel_size=args.tensor_parallel_size)
     if args.no_prefix_caching and "enable_prefix_caching" in EngineConfig.__dataclass_fields__:
         fields["enable_prefix_caching"] = False
     fields.update(overrides)
@@ -127,7 +130,9 @@ def run_bench(args) -> dict:
         raise ValueError(f"--compare-num-requests must be positive (leave it out for all requests), got {args.compare_num_requests}")
     peaks = measure_device_peaks(args.device)
     t0 = time.perf_counter()
-    model = build_model(args.model, dtype, args.device, args.quantization, args.bits, args.group_size)
+    engines = _ParallelEngines(args, dtype) if args.tensor_parallel_size > 1 else None
+    model = engines.model if engines else build_model(args.model, dtype, args.device, args.quantization, args.bits,
+                                                      args.group_size)
     model.generation_config.eos_token_id = None  # EOS ignored by every engine
     build_s = time.perf_counter() - t0
     vocab = model.config.get_text_config().vocab_size
@@ -162,7 +167,8 @@ def run_bench(args) -> dict:
     paged_result = None
     if not args.skip_paged:
         try:
-            paged_result = run_paged(model, requests, config, batch1_context=None if args.no_batch1 else 512)
+            paged_result = run_paged(model, requests, config, batch1_context=None if args.no_batch1 else 512,
+                                     make_engine=engines and functools.partial(engines.make, config))
             report["engines"]["paged"] = summarize(paged_result)
         except Exception as e:  # keep the compared engines' numbers
             report["engines"]["paged"] = {"error": f"{type(e).__name__}: {e}"}
@@ -201,13 +207,44 @@ def run_bench(args) -> dict:
         report["sweep"] = []
         for point in _sweep_points(args.sweep):
             cfg = _engine_config(args, requests, **point)
-            res = summarize(run_paged(model, requests, cfg, batch1_context=None))
+            res = summarize(run_paged(model, requests, cfg, batch1_context=None,
+                                      make_engine=engines and functools.partial(engines.make, cfg)))
             report["sweep"].append({**point, "output_tokens_per_s": res["output_tokens_per_s"],
                                     "tpot_s_p50": res["tpot_s"]["p50"], "ttft_s_p50": res["ttft_s"]["p50"],
                                     "kv_capacity_tokens": res["kv_capacity_tokens"],
                                     "step_overhead": res["step_overhead"]})
             _save_partial(report, args)
     return report
+
+
+class _ParallelEngines:
+    """``--tensor-parallel-size N``: each run's engine is rank 0's ``DriverEngine`` (``distributed.start_engine``,
+    which starts the other ranks), closed after the run. ``model`` is a meta-device skeleton of the checkpoint (the
+    vocabulary and the report's model costs: the whole model's, not a rank's).
+
+    Raises:
+        ValueError: a named shape (each rank loads a checkpoint), ``--compare`` (stock engines do not split) or
+            ``--quantization``.
+    """
+
+    def __init__(self, args, dtype: torch.dtype):
+        if args.model in MODEL_SHAPES or args.compare or args.quantization:
+            raise ValueError("--tensor-parallel-size > 1 needs --model as a checkpoint path, without --compare or --quantization")
+        from transformers import AutoConfig
+
+        from ..integration.hub import resolve_model_path
+        from ..quantization.loader import build_skeleton
+
+        self.args, self.dtype, self.folder = args, dtype, resolve_model_path(args.model)
+        self.model = build_skeleton(AutoConfig.from_pretrained(self.folder), dtype)
+
+    def make(self, config: EngineConfig):
+        from ..distributed import start_engine
+
+        engine = start_engine(self.folder, tokenizer=None, skip_tokenizer_init=True, trust_remote_code=False,
+                              dtype=self.dtype, quantization=None, device=torch.device(self.args.device), engine_config=config)
+        engine.attach()
+        return engine
 
 
 def bench_main(args) -> int:

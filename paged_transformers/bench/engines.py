@@ -45,8 +45,10 @@ def _peak(device) -> int | None:
 
 
 def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_context: int | None = 512,
-              batch1_tokens: int = 64) -> EngineResult:
+              batch1_tokens: int = 64, make_engine=None) -> EngineResult:
     """The paged engine on ``requests`` (greedy, EOS ignored), after a short warm-up outside the timing.
+
+    ``make_engine``: returns the attached engine to run (closed at the end); default ``LLMEngine(model, config)``.
 
     With ``batch1_context``, afterwards one request of that many prompt tokens decodes ``batch1_tokens``
     tokens alone (the batch-1 decode target); its per-step times land in ``extra["decode_batch1"]``.
@@ -57,7 +59,7 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
     device = next(model.parameters()).device
     _peak_reset(device)
     t_init = time.perf_counter()
-    engine = LLMEngine(model, engine_config=config)
+    engine = make_engine() if make_engine is not None else LLMEngine(model, engine_config=config)
     init_s = time.perf_counter() - t_init
     try:
         # NOTE: Triton compiles a kernel variant on first use of each specialization (e.g. sizes divisible by 16 or

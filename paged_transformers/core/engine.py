@@ -21,9 +21,8 @@ from typing import Callable, Iterator
 import torch
 
 from .attention import resolve_backend
-from ..integration.compat import can_set_attn_implementation
 from ..config import EngineConfig
-from .engine_inputs import check_sampling_params, tokenize, validate_prompt
+from .engine_inputs import check_sampling_params, model_limits, tokenize, validate_prompt
 from .engine_lifecycle import EngineLifecycle, check_loaded_model, check_not_attached, eos_token_ids
 from .kv_pool import KVPool
 from .messages import ModelRunnerOutput, SchedulerOutput
@@ -111,7 +110,7 @@ class LLMEngine(EngineLifecycle):
         self.sleeping = False
         self.model = model
         self.tokenizer = tokenizer
-        self.vocab_size, self.max_model_len = _model_limits(model, self.config)
+        self.vocab_size, self.max_model_len = model_limits(model, self.config)
         param = next(model.parameters())
         self.device = device = param.device
         sizing_s = self._make_pool(device, model_compute_dtype(model))
@@ -148,11 +147,11 @@ class LLMEngine(EngineLifecycle):
         Raises:
             ValueError: a pool too small for one ``max_model_len`` sequence (with the numbers).
         """
-        num_layers, num_kv_heads, head_dim = model_kv_shape(self.model.config)
+        num_layers, num_kv_heads, head_dim = self._kv_shape()
         block_size = self.config.block_size
         bytes_per_block = KVPool.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
         t0 = time.perf_counter()
-        num_blocks = num_kv_blocks(self.model, self.config, self.max_model_len, bytes_per_block)
+        num_blocks = self._agree_num_blocks(num_kv_blocks(self.model, self.config, self.max_model_len, bytes_per_block))
         sizing_s = time.perf_counter() - t0
         needed = -(-self.max_model_len // block_size)
         if num_blocks < needed:
@@ -163,6 +162,17 @@ class LLMEngine(EngineLifecycle):
             )
         self.cache = KVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         return sizing_s
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)`` of this process's pool. Raises ValueError for ``tensor_parallel_size
+        != 1``: sharded models run in ``paged_transformers.distributed``'s engines, which override this and the next."""
+        if self.config.tensor_parallel_size != 1:
+            raise ValueError(f"LLMEngine runs one process, got tensor_parallel_size={self.config.tensor_parallel_size}; "
+                             "use LLM(path, tensor_parallel_size=N) or paged_transformers.distributed")
+        return model_kv_shape(self.model.config)
+
+    def _agree_num_blocks(self, num_blocks: int) -> int:
+        return num_blocks  # a tensor-parallel rank takes the least of all ranks' sizes
 
     # -- requests --------------------------------------------------------------------------------
     @property
@@ -360,30 +370,6 @@ def run_engine(engine: LLMEngine, stopping_criteria: dict[str, list[Callable]] |
         for request_id in [r for r in pending if r in engine.requests] if pending else ():
             engine.output_processor.set_stopping_criteria(request_id, pending.pop(request_id))
         yield engine.step()
-
-
-def _model_limits(model: torch.nn.Module, config: EngineConfig) -> tuple[int, int]:
-    """``(vocab_size, max_model_len)`` of a model the engine can serve.
-
-    Raises:
-        ValueError: the model's attention does not go through ``AttentionInterface`` (naming its class); no
-            ``max_model_len`` known; ``max_model_len`` over the model's ``max_position_embeddings``.
-    """
-    text_config = model.config.get_text_config()
-    # NOTE: can_set_attn_implementation is transformers' own source heuristic; it says True for
-    # models with no attention class at all (Mamba), so the config must also name attention heads.
-    if not getattr(text_config, "num_attention_heads", None) or not can_set_attn_implementation(model):
-        raise ValueError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            "so the paged engine cannot replace its attention"
-        )
-    max_positions = getattr(text_config, "max_position_embeddings", None)
-    max_model_len = config.max_model_len or max_positions
-    if max_model_len is None:
-        raise ValueError("the model config has no max_position_embeddings; set EngineConfig.max_model_len")
-    if max_positions is not None and max_model_len > max_positions:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_positions}")
-    return text_config.vocab_size, max_model_len
 
 
 def _sampled_input_ids(current: _InFlight, ahead: SchedulerOutput) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""What ``LLMEngine.add_request`` checks before anything is queued: the prompt and the sampling parameters.
+"""What ``LLMEngine.add_request`` checks before anything is queued: the prompt and the sampling parameters (and
+``model_limits``, what ``LLMEngine`` checks of its model).
 
 Every check raises a ``ValueError`` naming the bad value, before any state changes: a refused request
 leaves no trace.
@@ -10,6 +11,7 @@ import operator
 import torch
 
 from ..config import EngineConfig
+from ..integration.compat import can_set_attn_implementation
 from ..sampling_params import SamplingParams
 
 
@@ -104,3 +106,27 @@ def _as_token_id(token):
         return operator.index(token)
     except TypeError:
         return token
+
+
+def model_limits(model: torch.nn.Module, config: EngineConfig) -> tuple[int, int]:
+    """``(vocab_size, max_model_len)`` of a model the engine can serve.
+
+    Raises:
+        ValueError: the model's attention does not go through ``AttentionInterface`` (naming its class); no
+            ``max_model_len`` known; ``max_model_len`` over the model's ``max_position_embeddings``.
+    """
+    text_config = model.config.get_text_config()
+    # NOTE: can_set_attn_implementation is transformers' own source heuristic; it says True for
+    # models with no attention class at all (Mamba), so the config must also name attention heads.
+    if not getattr(text_config, "num_attention_heads", None) or not can_set_attn_implementation(model):
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so the paged engine cannot replace its attention"
+        )
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    max_model_len = config.max_model_len or max_positions
+    if max_model_len is None:
+        raise ValueError("the model config has no max_position_embeddings; set EngineConfig.max_model_len")
+    if max_positions is not None and max_model_len > max_positions:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_positions}")
+    return text_config.vocab_size, max_model_len

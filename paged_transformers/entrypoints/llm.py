@@ -36,7 +36,11 @@ class LLM:
         tokenizer: a tokenizer folder or hub id, or a tokenizer object; default: the model's folder.
         skip_tokenizer_init: no tokenizer: prompts must be token ids and outputs have no text.
         trust_remote_code: let transformers run the checkpoint's own code.
-        tensor_parallel_size: 1; larger values raise ``NotImplementedError`` (no tensor parallelism yet).
+        tensor_parallel_size: ranks the model is split over (``paged_transformers.distributed``); with more than 1,
+            ``model`` must be a checkpoint folder or hub id, and this process becomes rank 0 and starts the others
+            (one process per rank; under ``torchrun`` the existing group's processes: ``distributed.launcher``).
+            At most the host's CUDA devices, or on CPU two per core. On the other ranks of a ``torchrun`` group
+            the constructor serves rank 0 until rank 0's ``LLM`` closes, then destroys the group and exits (``SystemExit(0)``).
         dtype: ``"auto"``, ``"half"``/``"float16"``, ``"bfloat16"``, ``"float"``/``"float32"`` or a torch dtype.
             ``"auto"`` on CUDA is vLLM's rule: the config's dtype, float32 cast down to bfloat16 (float16 where the
             device has no bfloat16); on CPU it is float32, where vLLM would pick bfloat16, because CPU half-precision
@@ -58,7 +62,7 @@ class LLM:
         ValueError: a bad argument (named with its value), a missing folder or uncached hub id, a ``quantization``
             contradicting the checkpoint, a loaded model with another ``dtype``/``device`` than asked, no usable
             tokenizer, or anything ``LLMEngine`` refuses (a KV pool too small, ...).
-        NotImplementedError: ``tensor_parallel_size > 1``; a checkpoint format ``load_model`` does not read.
+        NotImplementedError: a checkpoint format ``load_model`` does not read.
         TypeError: a keyword argument that is neither an ``LLM`` argument nor an ``EngineConfig`` field.
 
     Examples:
@@ -75,7 +79,7 @@ class LLM:
         >>> LLM(model, tensor_parallel_size=2)
         Traceback (most recent call last):
         ...
-        NotImplementedError: tensor_parallel_size=2: tensor parallelism is not implemented yet; use tensor_parallel_size=1
+        ValueError: tensor_parallel_size=2 needs a checkpoint folder or hub id (every rank loads its shard), got a loaded LlamaForCausalLM
     """
 
     def __init__(
@@ -99,7 +103,7 @@ class LLM:
         device: str | torch.device | None = None,
         **engine_kwargs,
     ):
-        _check_tensor_parallel_size(tensor_parallel_size)
+        _check_tensor_parallel_size(tensor_parallel_size, model)
         torch_dtype = checkpoint.parse_dtype(dtype)
         checkpoint.check_quantization(quantization)
         for name, value in (("skip_tokenizer_init", skip_tokenizer_init), ("trust_remote_code", trust_remote_code)):
@@ -113,10 +117,15 @@ class LLM:
         self.engine_config = EngineConfig(
             block_size=block_size, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, **engine_kwargs,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size, **engine_kwargs,
         )  # fmt: skip
         device = _parse_device(device)
-        if isinstance(model, torch.nn.Module):
+        self._parallel = None if tensor_parallel_size == 1 else _start_parallel(  # the DriverEngine of a split model
+            model, tokenizer, skip_tokenizer_init, trust_remote_code, torch_dtype, quantization, device, self.engine_config)
+        if self._parallel is not None:
+            self.model, self.tokenizer = self._parallel.model, self._parallel.tokenizer
+        elif isinstance(model, torch.nn.Module):
             self.model = checkpoint.check_loaded_model(model, torch_dtype, quantization, device)
             folder = getattr(model, "name_or_path", None) or None
             self.tokenizer = checkpoint.tokenizer_for(tokenizer, folder if folder and os.path.isdir(folder) else None,
@@ -130,14 +139,23 @@ class LLM:
             raise TypeError(f"model must be a checkpoint folder, a hub id or a transformers model, got {type(model).__name__}")
         if seed is not None:
             torch.manual_seed(int(seed))
-        # built now, as vLLM allocates its KV cache at construction: a pool too small fails here, not at generate()
-        warm.engine_for(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
+        if self._parallel is None:
+            # built now, as vLLM allocates its KV cache at construction: a pool too small fails here, not at generate()
+            warm.engine_for(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
 
     # -- the engine ------------------------------------------------------------------------------
     @property
     def llm_engine(self) -> LLMEngine:
-        """The model's warm ``LLMEngine`` (rebuilt with this ``LLM``'s config if another entry point replaced it)."""
+        """The model's warm ``LLMEngine`` (rebuilt with this ``LLM``'s config if another entry point replaced it);
+        with ``tensor_parallel_size > 1``, rank 0's ``DriverEngine``."""
+        if self._parallel is not None:
+            return self._parallel
         return warm.engine_for(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
+
+    def _attached(self):
+        """The engine attached for one call (``warm.attached_engine``, or the ``DriverEngine``'s own)."""
+        return self._parallel.for_call() if self._parallel is not None else warm.attached_engine(
+            self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
 
     def get_tokenizer(self):
         """The tokenizer (None with ``skip_tokenizer_init``)."""
@@ -172,14 +190,18 @@ class LLM:
         self._engine_method("wake_up", *args, **kwargs)
 
     def _engine_method(self, name: str, *args, **kwargs) -> None:
-        with warm.attached_engine(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
+        with self._attached() as engine:
             method = getattr(engine, name, None)
             if method is None:
                 raise NotImplementedError(f"this LLMEngine has no {name}()")
             method(*args, **kwargs)
 
     def close(self) -> None:
-        """Release the model's warm engine (KV pool, graphs); a later call builds it again."""
+        """Release the model's warm engine (KV pool, graphs); a later call builds it again. With
+        ``tensor_parallel_size > 1``: close every rank's engine and end the worker processes, for good."""
+        if self._parallel is not None:
+            self._parallel.close()
+            return
         warm.release(self.model)
 
     def __enter__(self) -> "LLM":
@@ -247,7 +269,7 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params_list = params_per_prompt(sampling_params, len(parsed))
         # (a request refused midway leaves none queued: attached_engine aborts unfinished requests on exit)
-        with warm.attached_engine(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config) as engine:
+        with self._attached() as engine:
             return run_to_completion(engine, [p for p, _ in parsed], params_list, use_tqdm=use_tqdm,
                                      texts=[text for _, text in parsed])
 
@@ -341,11 +363,24 @@ def _conversations(messages) -> list[list[dict]]:
     return [list(c) for c in conversations]
 
 
-def _check_tensor_parallel_size(size) -> None:
+def _check_tensor_parallel_size(size, model) -> None:
     if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-    if size > 1:
-        raise NotImplementedError(f"tensor_parallel_size={size}: tensor parallelism is not implemented yet; use tensor_parallel_size=1")
+    if size > 1 and not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"tensor_parallel_size={size} needs a checkpoint folder or hub id (every rank loads its shard), "
+                         f"got a loaded {type(model).__name__}")
+
+
+def _start_parallel(model, tokenizer, skip_tokenizer_init, trust_remote_code, dtype, quantization, device, engine_config):
+    """Rank 0's ``DriverEngine`` (``start_engine``); another rank of an existing group serves rank 0, then exits."""
+    from ..distributed.launcher import start_engine
+
+    engine = start_engine(model, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init, trust_remote_code=trust_remote_code,
+                          dtype=dtype, quantization=quantization, device=device or _default_device(), engine_config=engine_config)
+    if engine is None:
+        torch.distributed.destroy_process_group()
+        raise SystemExit(0)
+    return engine
 
 
 def _default_device() -> torch.device:
