@@ -282,3 +282,41 @@ def test_under_torchrun_uses_its_group(tp_llm, saved, tmp_path):
     lines = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("TOKENS")]
     assert run.returncode == 0 and len(lines) == 1, run.stderr[-3000:]
     assert [int(t) for t in lines[0]] == stock_greedy(model, prompt, 6)[0]
+
+
+def test_server_on_a_split_model(tp_llm, saved, tmp_path):
+    """``serve --tensor-parallel-size 2``'s path: the OpenAI server over ``LLM(folder, tensor_parallel_size=2)``
+    (the stepping thread drives rank 0's engine): a greedy completion of token ids, streamed and not, equals stock."""
+    from serving import skip_without_server_deps
+
+    skip_without_server_deps()
+    import httpx
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from paged_transformers.entrypoints.openai.api_server import ServerThread, build_app
+
+    tp_llm.close()
+    model, folder = saved("llama")
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0").save_pretrained(tmp_path)
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (Path(folder) / name).exists():
+            (tmp_path / name).write_bytes((Path(folder) / name).read_bytes())
+    prompt = PROMPTS[0]
+    want = stock_greedy(model, prompt, 8)[0]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, max_model_len=128, num_gpu_blocks=24, block_size=8)
+    try:
+        with ServerThread(build_app(llm, ["tp"], log_requests=False)) as server:
+            body = {"model": "tp", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "logprobs": 0}
+            reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+            got = [int(t.removeprefix("t")) for t in reply["choices"][0]["logprobs"]["tokens"]]
+            assert got == want and reply["usage"]["completion_tokens"] == 8
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == reply["choices"][0]["text"]
+    finally:
+        llm.close()

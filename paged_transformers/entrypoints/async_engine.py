@@ -1,7 +1,7 @@
 """``AsyncEngine``: an asyncio front over a model's warm ``LLMEngine``, for servers.
 
-The engine is not thread-safe, so exactly one thread touches it: the stepping thread, which holds the model's
-engine attached (``integration.warm.attached_engine``) for the front's whole life. Everything else talks to it
+The engine is not thread-safe, so exactly one thread touches it: the stepping thread, which holds the engine
+attached (``LLM.attached_engine``) for the front's whole life. Everything else talks to it
 through messages::
 
     event loop                                   stepping thread
@@ -25,7 +25,6 @@ import threading
 from collections.abc import AsyncIterator
 
 from ..core.engine_inputs import check_sampling_params, validate_prompt
-from ..integration import warm
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
@@ -77,26 +76,24 @@ class AsyncEngine:
     """Serve a model's warm engine to asyncio code: ``generate`` yields a request's outputs as they come.
 
     Args:
-        model: a loaded transformers causal LM (``LLM.model``); the front owns its warm engine while it runs
-            (another call on the model waits until ``shutdown``).
-        tokenizer: the engine's tokenizer (``LLM.tokenizer``); the front keeps its own copy for the event loop's
-            side (tokenizing prompts, detokenizing deltas), so the two threads never share one tokenizer object.
-        engine_config: the ``EngineConfig`` (``LLM.engine_config``).
+        llm: the loaded ``LLM``; the front holds its engine attached while it runs (``LLM.attached_engine``: the
+            model's warm engine, which another call on the model waits for until ``shutdown``, or rank 0's engine
+            of a model split over ``tensor_parallel_size`` ranks). The front keeps its own copy of the tokenizer for
+            the event loop's side (tokenizing prompts, detokenizing deltas), so the two threads never share one
+            tokenizer object.
         max_num_queued_requests: most requests waiting for a seat before ``check_admission`` refuses new ones
             with ``QueueFullError``; None: no limit.
 
     Call ``start()`` on the event loop that will call ``generate``, and ``shutdown()`` at the end.
     """
 
-    def __init__(self, model, tokenizer, engine_config, max_num_queued_requests: int | None = None):
+    def __init__(self, llm, max_num_queued_requests: int | None = None):
         if max_num_queued_requests is not None and (
             isinstance(max_num_queued_requests, bool) or not isinstance(max_num_queued_requests, int) or max_num_queued_requests < 0
         ):
             raise ValueError(f"max_num_queued_requests must be a non-negative integer or None, got {max_num_queued_requests!r}")
-        self.model = model
-        self.engine_config = engine_config
-        self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
-        self._engine_tokenizer = tokenizer
+        self._attached_engine = llm.attached_engine
+        self.tokenizer = copy.deepcopy(llm.tokenizer) if llm.tokenizer is not None else None
         self.max_num_queued_requests = max_num_queued_requests
         self.engine = None  # set by the stepping thread once attached; read-only (limits) elsewhere
         self.snapshot = EngineSnapshot()
@@ -211,7 +208,7 @@ class AsyncEngine:
     # -- the stepping thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            with warm.attached_engine(self.model, tokenizer=self._engine_tokenizer, engine_config=self.engine_config) as engine:
+            with self._attached_engine() as engine:
                 self.engine = engine
                 self._publish_snapshot(engine)
                 self._ready.set()

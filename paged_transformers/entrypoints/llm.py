@@ -152,8 +152,8 @@ class LLM:
             return self._parallel
         return warm.engine_for(self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
 
-    def _attached(self):
-        """The engine attached for one call (``warm.attached_engine``, or the ``DriverEngine``'s own)."""
+    def attached_engine(self):
+        """Context manager: the engine attached for a call or a server's life (``warm.attached_engine``; TP: rank 0's)."""
         return self._parallel.for_call() if self._parallel is not None else warm.attached_engine(
             self.model, tokenizer=self.tokenizer, engine_config=self.engine_config)
 
@@ -190,7 +190,7 @@ class LLM:
         self._engine_method("wake_up", *args, **kwargs)
 
     def _engine_method(self, name: str, *args, **kwargs) -> None:
-        with self._attached() as engine:
+        with self.attached_engine() as engine:
             method = getattr(engine, name, None)
             if method is None:
                 raise NotImplementedError(f"this LLMEngine has no {name}()")
@@ -269,7 +269,7 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params_list = params_per_prompt(sampling_params, len(parsed))
         # (a request refused midway leaves none queued: attached_engine aborts unfinished requests on exit)
-        with self._attached() as engine:
+        with self.attached_engine() as engine:
             return run_to_completion(engine, [p for p, _ in parsed], params_list, use_tqdm=use_tqdm,
                                      texts=[text for _, text in parsed])
 

@@ -74,7 +74,7 @@ def build_app(llm: LLM, served_model_names: list[str] | None = None, *, api_key:
     if llm.tokenizer is None:
         raise ValueError("the server needs a tokenizer (an LLM built with skip_tokenizer_init=True has none)")
     names = list(served_model_names or [DEFAULT_MODEL_NAME])
-    front = AsyncEngine(llm.model, llm.tokenizer, llm.engine_config, max_num_queued_requests)
+    front = AsyncEngine(llm, max_num_queued_requests)
     metrics = ServerMetrics(front, names[0])
     common = (front, names, llm.get_default_sampling_params(), metrics, log_requests)
     completion = OpenAIServingCompletion(*common)
