@@ -87,6 +87,13 @@ def test_malformed_bodies_are_400(http):
     headers = {"Content-Type": "application/json"}
     for content in (b"{not json", b"[1, 2]", b"", "\"text\"".encode(), b"\xff\xfe"):
         _assert_error(http.post("/v1/completions", content=content, headers=headers), 400)
+    error = http.post("/v1/completions", content=b'{"model": "x", "prompt": ', headers=headers).json()["error"]
+    assert error["param"] is None and "not valid JSON" in error["message"] and "byte 25" in error["message"]
+
+
+def test_a_wrong_method_is_405_of_a_client_error_type(http):
+    error = http.get("/v1/completions").json()["error"]
+    assert (error["code"], error["type"]) == (405, "MethodNotAllowedError")
 
 
 def test_unknown_fields_are_ignored_as_in_vllm(http):

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -114,12 +115,14 @@ def _free_port() -> int:
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2):
+    """SIGTERM: a short request in flight finishes; two that would outlast the 10 s drain (one streamed) end as a 503
+    (an error event and [DONE] when streamed), with no traceback; the process exits 0."""
     skip_without_server_deps()
     import httpx
 
     port = _free_port()
     command = [sys.executable, "-m", "paged_transformers.entrypoints.openai.api_server", "--port", str(port),
-               "--served-model-name", MODEL, "--max-model-len", "256", "--device", "cpu", "--uvicorn-log-level", "warning"]
+               "--served-model-name", MODEL, "--max-model-len", "2048", "--device", "cpu", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -134,6 +137,17 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2):
                 pass
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
+        # two requests too long to finish within the shutdown's 10 s: they end as 503s, not as cancelled tasks
+        long = {"model": MODEL, "prompt": "Once", "max_tokens": 2000, "ignore_eos": True}
+        results = {}
+
+        def post_long(name, stream):
+            with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": stream}, timeout=120) as r:
+                results[name] = (r.status_code, list(r.iter_lines()))
+
+        threads = [threading.Thread(target=post_long, args=(name, name == "stream")) for name in ("json", "stream")]
+        for thread in threads:
+            thread.start()
         body = {"model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 24, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -141,7 +155,16 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2):
             process.send_signal(signal.SIGTERM)
             events = sse_events([first, *lines])
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
-        assert process.wait(timeout=60) == 0, process.stdout.read()
+        for thread in threads:
+            thread.join(60)
+        status, body_lines = results["json"]
+        assert status == 503 and json.loads("".join(body_lines))["error"]["type"] == "ServiceUnavailableError"
+        status, stream_lines = results["stream"]
+        stream_events = sse_events(stream_lines)
+        assert status == 200 and stream_events[-1] == "[DONE]" and stream_events[-2]["error"]["code"] == 503
+        out = process.communicate(timeout=60)[0]
+        assert process.returncode == 0, out
+        assert "Traceback" not in out and "CancelledError" not in out, out
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=1)
     finally:

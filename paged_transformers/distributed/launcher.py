@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import os
 import socket
+import time
 import weakref
 
 import torch
@@ -46,6 +47,7 @@ from .protocol import Channel, Shutdown
 from .sharding import check_shardable, shard_model
 
 JOIN_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 300.0  # a spawned rank must reach run_rank (Python, torch and this package imported) by then
 # the open engine whose ranks this process spawned: it owns the default process group, so it is the only one
 _spawned: "weakref.ref[DriverEngine] | None" = None
 
@@ -107,12 +109,15 @@ def start_engine(model, *, tokenizer, skip_tokenizer_init: bool, trust_remote_co
         run_rank(spec, dist.get_rank())
         return None
     tokenizer = checkpoint.tokenizer_for(tokenizer, folder, skip_tokenizer_init, trust_remote_code)
-    procs = [] if existing else [mp.get_context("spawn").Process(target=run_rank, args=(spec, r), daemon=True,
-                                                                  name=f"paged-transformers-tp{r}") for r in range(1, tp)]
+    ctx = mp.get_context("spawn")
+    started = [ctx.Event() for _ in range(1, tp)] if not existing else []
+    procs = [ctx.Process(target=run_rank, args=(spec, r, started[r - 1]), daemon=True, name=f"paged-transformers-tp{r}")
+             for r in range(1, tp)] if not existing else []  # fmt: skip
     for p in procs:
         p.start()
     try:
         if not existing:
+            _wait_started(procs, started)
             _init_group(spec, 0)
         engine = _build_rank(spec, 0, tokenizer)
     except BaseException:
@@ -127,9 +132,11 @@ def start_engine(model, *, tokenizer, skip_tokenizer_init: bool, trust_remote_co
     return engine
 
 
-def run_rank(spec: RankSpec, rank: int) -> None:
+def run_rank(spec: RankSpec, rank: int, started=None) -> None:
     """A worker rank: join the group (when made here), load and shard, build its engine, serve rank 0 until
-    ``Shutdown``. The spawned processes' entry point."""
+    ``Shutdown``. The spawned processes' entry point; ``started`` (a ``multiprocessing`` event) is set first."""
+    if started is not None:
+        started.set()
     if spec.init_method is not None:
         torch.set_num_threads(spec.num_threads)
         _init_group(spec, rank)
@@ -143,6 +150,26 @@ def run_rank(spec: RankSpec, rank: int) -> None:
             dist.destroy_process_group()
         elif engine is not None:
             dist.destroy_process_group(engine.channel.control)
+
+
+def _wait_started(procs: list, started: list) -> None:
+    """Wait until every spawned rank has reached ``run_rank``, so that a rank that dies on its way there is an error
+    here, not a wait for a group that it never joins.
+
+    Raises:
+        RuntimeError: a rank exited first (naming it and its exit code; the usual cause: spawning re-imports the
+            caller's main module, which started the engine again at its top level), or ``START_TIMEOUT_S`` passed.
+    """
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for p, event in zip(procs, started):
+        while not event.wait(0.1):
+            if p.exitcode is not None:
+                raise RuntimeError(
+                    f"tensor-parallel worker {p.name} exited with code {p.exitcode} before it started. The workers are "
+                    "spawned processes, which import the main module of the program again: a script must start "
+                    "LLM(..., tensor_parallel_size > 1) under `if __name__ == \"__main__\":`")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel worker {p.name} did not start within {START_TIMEOUT_S:.0f} s")
 
 
 def _init_group(spec: RankSpec, rank: int) -> None:

@@ -129,6 +129,13 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    def fail_in_flight(self, reason: str) -> None:
+        """End every request in flight with ``EngineDeadError(reason)`` (a 503, or an error event and ``[DONE]``
+        when streaming) and abort it in the engine, freeing its blocks. Thread-safe: the server's shutdown calls
+        it from a timer thread."""
+        if self._loop is not None:
+            self._post(self._fail_all, EngineDeadError(reason))
+
     @property
     def is_running(self) -> bool:
         """The stepping thread is alive and accepting requests."""
@@ -177,7 +184,7 @@ class AsyncEngine:
 
         Raises:
             ValueError: as ``check_request``, before anything is queued.
-            EngineDeadError: the stepping thread is not running.
+            EngineDeadError: the stepping thread is not running, or stopped (or the server shut down) mid-request.
             RuntimeError: the engine failed the request (the exception it raised, as the cause).
         """
         self._check_running()
@@ -192,6 +199,8 @@ class AsyncEngine:
             while True:
                 await stream.event.wait()
                 stream.event.clear()
+                if isinstance(stream.error, EngineDeadError):  # shut down, or the engine died: as is (a 503)
+                    raise stream.error
                 if stream.error is not None:
                     raise RuntimeError(f"the engine failed this request: {stream.error}") from stream.error
                 output, stream.latest = stream.latest, None

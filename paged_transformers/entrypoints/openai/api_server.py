@@ -8,7 +8,8 @@ Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (JSON, or server-sent e
 Errors use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 401 for a
 missing or wrong API key, 404 for an unknown model, 413 for a body over ``--max-request-body-bytes``, 503 (with
 ``Retry-After``) while ``--max-num-queued-requests`` requests wait. SIGTERM stops accepting connections, lets the
-requests in flight finish (up to ``SHUTDOWN_TIMEOUT_S``, then aborts them), stops the engine and exits 0.
+requests in flight finish (up to ``SHUTDOWN_TIMEOUT_S``; then they end as 503s, an error event and ``[DONE]`` when
+streamed, and are aborted: ``GracefulServer``), stops the engine and exits 0.
 """
 
 import asyncio
@@ -42,6 +43,32 @@ from .serving_engine import ClientDisconnected, ServingError
 logger = logging.getLogger("paged_transformers.serve")
 
 SHUTDOWN_TIMEOUT_S = 10.0  # seconds a SIGTERM waits for requests in flight before aborting them
+FLUSH_TIMEOUT_S = 5.0  # then seconds the aborted requests get to send their 503 / last event before uvicorn cancels
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM, SIGINT, ``should_exit``) gives the requests in flight
+    ``SHUTDOWN_TIMEOUT_S`` to finish, then ends the rest through the engine (``AsyncEngine.fail_in_flight``: a 503
+    envelope, or an error event and ``[DONE]`` when streaming, their blocks freed) and only after ``FLUSH_TIMEOUT_S``
+    more lets uvicorn cancel what is left."""
+
+    def __init__(self, app: FastAPI, **config):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S + FLUSH_TIMEOUT_S, **config))
+        self._front = app.state.front
+        self._timer: threading.Timer | None = None
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting and start the drain (idempotent)."""
+        self.should_exit = True
+        if self._timer is None:
+            self._timer = threading.Timer(SHUTDOWN_TIMEOUT_S, self._front.fail_in_flight,
+                                          args=("the server is shutting down",))  # fmt: skip
+            self._timer.daemon = True
+            self._timer.start()
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self.begin_shutdown()
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -105,6 +132,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(request, e: RequestValidationError):
         errors = e.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # its loc is the byte offset, not a field
+            position = first.get("loc", ("body", "?"))[-1]
+            return _error(400, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} "
+                               f"at byte {position})")  # fmt: skip
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: {err.get('msg')}"
                             for err in errors[:5])  # fmt: skip
@@ -207,13 +238,11 @@ def app_from_args(args) -> FastAPI:
 def run_server(args) -> int:
     """Serve until SIGTERM or SIGINT (graceful: see the module docstring). Returns the exit status, 0."""
     app = app_from_args(args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S)  # fmt: skip
     # uvicorn re-raises the signal it stopped on once it is done; the shutdown is complete by then, so let that
     # raise be a no-op and exit 0 (the default SIGTERM action would end the process with -15)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server = uvicorn.Server(config)
+    server = GracefulServer(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     server.run()
     return 0 if server.started else 1
 
@@ -240,7 +269,7 @@ class ServerThread:
         self.socket.bind((host, port))
         self.port = self.socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S))
+        self.server = GracefulServer(app, log_level=log_level)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True,
                                        name="paged-transformers-server")  # fmt: skip
         self.start_timeout_s = start_timeout_s
@@ -257,7 +286,7 @@ class ServerThread:
 
     def stop(self) -> None:
         """Shut down as on SIGTERM (graceful), and wait for it."""
-        self.server.should_exit = True
+        self.server.begin_shutdown()
         self.thread.join()
         self.socket.close()
 

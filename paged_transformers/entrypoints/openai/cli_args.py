@@ -9,6 +9,14 @@ from ...config import EngineConfig
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # bytes; larger request bodies get a 413 (a 128k-token prompt is under 1 MiB)
 
 
+def port(value: str) -> int:
+    """``--port``: an integer in [0, 65535] (0: any free port), checked before the model loads."""
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {number}")
+    return number
+
+
 def add_server_arguments(parser: argparse.ArgumentParser, model_positional: bool) -> None:
     """The server's options on ``parser``: the model as a positional (``paged-transformers serve MODEL``) or as
     ``--model`` (the module entry point), the rest vLLM's flags."""
@@ -20,7 +28,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, model_positional: bool
     else:
         parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--port", type=port, default=8000, help="port to listen on")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="names the API accepts as `model` (the first is reported); default: the model argument")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id; default: the model's")

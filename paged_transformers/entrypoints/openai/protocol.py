@@ -156,11 +156,11 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 
 ERROR_TYPES: dict[int, str] = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                               413: "RequestTooLargeError", 503: "ServiceUnavailableError",
-                               500: "InternalServerError"}  # fmt: skip
+                               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 503: "ServiceUnavailableError",
+                               500: "InternalServerError"}  # other 4xx: BadRequestError; other 5xx: InternalServerError
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error envelope: ``{"error": {"message", "type", "param", "code"}}`` (``code``: the HTTP status)."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "InternalServerError"), "param": param,
-                      "code": status}}  # fmt: skip
+    kind = ERROR_TYPES.get(status, "BadRequestError" if 400 <= status < 500 else "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

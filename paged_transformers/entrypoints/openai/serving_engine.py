@@ -15,9 +15,9 @@ import torch
 from ...integration.streaming import UNFINISHED, TextStream
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
-from ..async_engine import AsyncEngine
+from ..async_engine import AsyncEngine, EngineDeadError
 from .metrics import ServerMetrics
-from .protocol import SamplingFields
+from .protocol import SamplingFields, error_body
 
 logger = logging.getLogger("paged_transformers.serve")
 
@@ -52,9 +52,11 @@ async def sse_frames(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield sse(chunk)
+    except EngineDeadError as e:  # the server shuts down (or its engine died): a 503, as before a response starts
+        yield sse(error_body(503, str(e)))
     except Exception as e:  # noqa: BLE001 - the stream has started: the error goes in an event
         logger.exception("a streamed request failed")
-        yield sse({"error": {"message": str(e), "type": "InternalServerError", "param": None, "code": 500}})
+        yield sse(error_body(500, str(e)))
     yield SSE_DONE
 
 
