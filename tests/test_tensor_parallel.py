@@ -320,3 +320,14 @@ def test_server_on_a_split_model(tp_llm, saved, tmp_path):
             assert "".join(c["choices"][0]["text"] for c in chunks) == reply["choices"][0]["text"]
     finally:
         llm.close()
+
+
+def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tp_llm, saved, tmp_path):
+    """Spawned ranks import the main module again: a script that builds the LLM at its top level used to hang rank 0
+    in the group's rendezvous (its workers died starting); now LLM raises, naming the fix."""
+    tp_llm.close()
+    script = tmp_path / "unguarded.py"
+    folder = saved("llama")[1]
+    script.write_text(f"from paged_transformers import LLM\nLLM({folder!r}, tensor_parallel_size=2, skip_tokenizer_init=True)\n")
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0 and 'if __name__ == "__main__":' in run.stderr, run.stderr[-2000:]
