@@ -219,8 +219,8 @@ def load_llm(args) -> tuple[LLM, list[str]]:
     model names (``--served-model-name``, else the model argument, else ``DEFAULT_MODEL_NAME``).
 
     Raises:
-        ValueError, NotImplementedError, OSError: as ``LLM`` (a bad option, a missing model, ``--tensor-parallel-size``
-            the engine does not support).
+        ValueError, OSError: as ``LLM`` (a bad option, a missing model, a ``--tensor-parallel-size`` the model's
+            heads or the devices do not allow).
     """
     model = args.model if args.model is not None else str(default_model_path())
     llm = LLM(model, **llm_arguments(args))

@@ -48,7 +48,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, model_positional: bool
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=default.enable_prefix_caching, help="reuse the KV blocks of shared prompt prefixes")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (and no compiled layers)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs to shard the model over")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks to split the model over (GPUs; CPU processes on CPU): paged_transformers.distributed")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests without their own seed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the model runs: cuda when present, else cpu")
