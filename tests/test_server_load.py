@@ -114,7 +114,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2):
+def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2, tmp_path):
     """SIGTERM: a short request in flight finishes; two that would outlast the 10 s drain (one streamed) end as a 503
     (an error event and [DONE] when streamed), with no traceback; the process exits 0."""
     skip_without_server_deps()
@@ -124,7 +124,9 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2):
     command = [sys.executable, "-m", "paged_transformers.entrypoints.openai.api_server", "--port", str(port),
                "--served-model-name", MODEL, "--max-model-len", "2048", "--device", "cpu", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # cwd outside the checkout: `-m` puts the working directory first on sys.path (CI tests the installed wheel)
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180

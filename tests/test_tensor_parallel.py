@@ -228,7 +228,7 @@ def test_close_ends_the_workers(tp_llm, saved):
 
 
 @pytest.mark.parametrize("ending", ["raise RuntimeError('driver failed')", "pass  # interpreter exit, no close()"])
-def test_no_worker_outlives_its_driver(saved, ending):
+def test_no_worker_outlives_its_driver(saved, ending, tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, torch
         from paged_transformers import LLM
@@ -238,7 +238,9 @@ def test_no_worker_outlives_its_driver(saved, ending):
             print(*[p.pid for p in llm.llm_engine.worker_processes], flush=True)
             {ending}
     """)
-    run = subprocess.run([sys.executable, "-c", script, saved("llama")[1]], capture_output=True, text=True, timeout=120)
+    # cwd outside the checkout: `-c` puts the working directory first on sys.path (CI tests the installed wheel)
+    run = subprocess.run([sys.executable, "-c", script, saved("llama")[1]], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
     pids = [int(pid) for pid in run.stdout.split()]
     assert pids, run.stderr[-2000:]
     for pid in pids:
@@ -278,7 +280,7 @@ def test_under_torchrun_uses_its_group(tp_llm, saved, tmp_path):
     model, folder = saved("llama")
     prompt = PROMPTS[0]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), folder]
-    run = subprocess.run(command + [str(t) for t in prompt], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(command + [str(t) for t in prompt], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     lines = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("TOKENS")]
     assert run.returncode == 0 and len(lines) == 1, run.stderr[-3000:]
     assert [int(t) for t in lines[0]] == stock_greedy(model, prompt, 6)[0]
