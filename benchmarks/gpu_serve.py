@@ -7,7 +7,7 @@
 3. the server stopped (SIGTERM), then the same workload through the offline ``LLM`` on the same checkpoint.
 
     python benchmarks/gpu_serve.py --out $OUT          # GPU; ~4 min for llama-3-8b
-    python benchmarks/gpu_serve.py --shape tiny-llama --device cpu --out /tmp/x   # the script itself, on CPU
+    python benchmarks/gpu_serve.py --shape tiny-llama --device cpu --out out      # the script itself, on CPU
 """
 
 import argparse
@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -86,13 +87,14 @@ def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3-8b")
-    ap.add_argument("--checkpoint", default="/tmp/pt_serve_ck")
+    ap.add_argument("--checkpoint", default=None, help="folder to save the checkpoint in; default: a new temporary one")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda", help="cuda; cpu with --shape tiny-llama to try the script")
     args = ap.parse_args()
+    args.checkpoint = args.checkpoint or tempfile.mkdtemp(prefix="pt_serve_ck_")
     t0 = time.perf_counter()
     vocab_size = min(20000, make_checkpoint(args.shape, args.checkpoint, args.device))
     workload = workload_args(args.num_requests, vocab_size)

@@ -5,16 +5,17 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles
 OUT=${OUT:-research/out}; mkdir -p "$OUT"
+caches=$(mktemp -d)  # one Inductor / Triton cache pair per variant: cold at its first run, warm at its second
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 for variant in new old; do
   flag=""; [ "$variant" = old ] && flag="--specialize-one"
-  export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$variant TRITON_CACHE_DIR=/tmp/triton_$variant
+  export TORCHINDUCTOR_CACHE_DIR=$caches/inductor_$variant TRITON_CACHE_DIR=$caches/triton_$variant
   for run in cold warm; do
     timeout 170 python3 research/startup_profile.py $flag --out "$OUT" --tag "${variant}_$run" > "$OUT/log_${variant}_$run.txt" 2>&1
     echo "== $variant $run rc=$?"; grep -E '"(construction_s|first_call_s|second_call_s|b1_ms_per_step|b64_ms_per_step)"' "$OUT/log_${variant}_$run.txt"
   done
 done
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_new TRITON_CACHE_DIR=/tmp/triton_new
+export TORCHINDUCTOR_CACHE_DIR=$caches/inductor_new TRITON_CACHE_DIR=$caches/triton_new
 timeout 120 python3 research/startup_profile.py --cprofile --out "$OUT" --tag new_warm_prof > "$OUT/log_prof.txt" 2>&1
 echo "== prof rc=$?"; grep -E '"(construction_s|first_call_s)"' "$OUT/log_prof.txt"
 (cd "$OUT" && tar czf logs.tgz log_*.txt && rm -f log_*.txt startup_new_warm_prof.json)
