@@ -44,7 +44,7 @@ def draw(logits: torch.Tensor, params: list, generators: list, top_p_candidates:
     vocab = logits.shape[-1]
     temperature = [p.temperature for p in params]
     if any(t != 1.0 for t in temperature):
-        logits = logits / _to_device(temperature, torch.float32, logits.device)[:, None]
+        logits = logits / host_to_device(temperature, torch.float32, logits.device)[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     filtered = [i for i, p in enumerate(params) if top_k[i] < vocab or p.top_p < 1.0]
     if not filtered:
@@ -55,7 +55,7 @@ def draw(logits: torch.Tensor, params: list, generators: list, top_p_candidates:
     undrawable = torch.empty(len(params), dtype=torch.bool, device=logits.device)
     plain = sorted(set(range(len(params))) - set(filtered))
     for rows, filters in ((filtered, True), (plain, False)):
-        index = _to_device(rows, torch.int64, logits.device)
+        index = host_to_device(rows, torch.int64, logits.device)
         sub_params, sub_generators = [params[i] for i in rows], [generators[i] for i in rows]
         token_ids[index], undrawable[index] = (
             _draw_candidates(logits[index], sub_params, [top_k[i] for i in rows], sub_generators, top_p_candidates)
@@ -80,7 +80,7 @@ def _draw_candidates(logits, params, top_k: list[int], generators, top_p_candida
         num_candidates = min(vocab, max([top_p_candidates] + [k for k in top_k if k < vocab]))
     else:
         num_candidates = vocab
-    top_p = _to_device([p.top_p for p in params], torch.float32, logits.device)
+    top_p = host_to_device([p.top_p for p in params], torch.float32, logits.device)
     probs, ids, drop = _candidates(logits, top_k, top_p_only, num_candidates)
     # a top-p row whose candidates hold less than top_p of its mass: its nucleus reaches past them (CPU: a free read)
     if num_candidates < vocab and any(top_p_only) and bool((probs.sum(dim=-1) < top_p).any()):
@@ -104,11 +104,11 @@ def _candidates(logits, top_k: list[int], top_p_only: list[bool], num_candidates
         values, ids = torch.topk(logits, num_candidates, dim=-1)
     else:
         values, ids = logits.sort(dim=-1, descending=True)
-    drop = torch.arange(num_candidates, device=device) >= _to_device(top_k, torch.int64, device)[:, None]
+    drop = torch.arange(num_candidates, device=device) >= host_to_device(top_k, torch.int64, device)[:, None]
     kept = values.masked_fill(drop, float("-inf"))
     log_total = torch.logsumexp(kept, dim=-1)
     if any(top_p_only) and num_candidates < vocab:
-        log_total = torch.where(_to_device(top_p_only, torch.bool, device), torch.logsumexp(logits, dim=-1), log_total)
+        log_total = torch.where(host_to_device(top_p_only, torch.bool, device), torch.logsumexp(logits, dim=-1), log_total)
     return (kept - log_total[:, None]).exp(), ids, drop
 
 
@@ -119,7 +119,7 @@ def _min_p(probs: torch.Tensor, params: list, largest: torch.Tensor | None) -> t
         return probs
     if largest is None:
         largest = probs.max(dim=-1, keepdim=True).values
-    return probs.masked_fill(probs < _to_device(min_p, torch.float32, probs.device)[:, None] * largest, 0.0)
+    return probs.masked_fill(probs < host_to_device(min_p, torch.float32, probs.device)[:, None] * largest, 0.0)
 
 
 def _race(probs: torch.Tensor, generators: list, lengths: list[int]) -> torch.Tensor:
@@ -151,7 +151,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return argmax_rows(x) if x.is_cuda else x.argmax(dim=-1)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without a host sync: staged in pinned memory and copied
     non-blocking on CUDA (``torch.tensor(values, device=...)`` waits for the stream)."""
     if device.type != "cuda":

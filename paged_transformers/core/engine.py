@@ -30,7 +30,8 @@ from .output_processor import EngineRequest, OutputProcessor
 from ..outputs import RequestMetrics, RequestOutput
 from .prefix_cache import CacheStats
 from .runner import ModelRunner
-from .sampling import SampleLaunch, Sampler, _to_device
+from .draw import host_to_device
+from .sampling import SampleLaunch, Sampler
 from ..sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import SequenceStatus, fan_out
@@ -380,4 +381,4 @@ def _sampled_input_ids(current: _InFlight, ahead: SchedulerOutput) -> torch.Tens
     token_ids = current.launch.token_ids
     if rows == list(range(len(rows))):
         return token_ids[: len(rows)]
-    return token_ids[_to_device(rows, torch.int64, token_ids.device)]  # sequences of the current step finished
+    return token_ids[host_to_device(rows, torch.int64, token_ids.device)]  # sequences of the current step finished

@@ -20,6 +20,7 @@ import torch
 
 from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata, AttentionOps
+from .draw import host_to_device
 from ..integration.compat import attn_implementation
 from .input_batch import InputBatch
 from .kv_pool import KVPool
@@ -330,7 +331,7 @@ class ModelRunner:
         else:
             logits = self._forward(T, S, num_sampled, max_query_len, max_seq_len)[0].float()
         if self.batch.fork_rows is not None:  # n > 1 forks sample from copies of their parents' rows
-            logits = logits[torch.tensor(self.batch.fork_rows, device=logits.device)]
+            logits = logits[host_to_device(self.batch.fork_rows, torch.int64, logits.device)]
         if start is not None:
             end.record()
         if self.record_steps:

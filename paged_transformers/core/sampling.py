@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .draw import TOP_P_CANDIDATES, _to_device, argmax, draw
+from .draw import TOP_P_CANDIDATES, argmax, draw, host_to_device
 from .sequence import Sequence
 
 
@@ -124,7 +124,7 @@ class Sampler:
             logits = logits.clone()
         errors = self._process_rows(logits, seqs, rows)
         if banned_rows:  # after the processors, as the order says
-            logits.index_put_((_to_device(banned_rows, torch.int64, device), _to_device(banned_ids, torch.int64, device)),
+            logits.index_put_((host_to_device(banned_rows, torch.int64, device), host_to_device(banned_ids, torch.int64, device)),
                               torch.tensor(float("-inf"), device=device))
         if rows:
             self._check_processed(logits, seqs, rows, errors)
@@ -138,7 +138,7 @@ class Sampler:
         else:
             token_ids = host_ids = argmax(logits)
             if sample_rows:
-                index = _to_device(sample_rows, torch.int64, device)
+                index = host_to_device(sample_rows, torch.int64, device)
                 drawn, undrawable = draw(logits[index], [params[i] for i in sample_rows],
                                          [generators[i] for i in sample_rows], self.top_p_candidates)
                 token_ids[index] = drawn
@@ -148,7 +148,7 @@ class Sampler:
         ks = [params[i].logprobs for i in want_logprobs]
         if want_logprobs:
             # the logprob of each sampled token and the top-k, batched over the rows that want them
-            index = _to_device(want_logprobs, torch.int64, device)
+            index = host_to_device(want_logprobs, torch.int64, device)
             row_logprobs = raw_logprobs[index]  # [num_want, vocab_size]
             host.append(_to_host(row_logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)))
             if max(ks):
