@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-SERVER_DEPS = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "openai", "httpx")
+SERVER_DEPS = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "openai", "httpx", "aiohttp")
 MODEL = "smol"  # the served model name of the test servers
 
 
@@ -19,15 +19,22 @@ def skip_without_server_deps() -> None:
 
 
 @contextlib.contextmanager
-def running_server(llm_kwargs: dict | None = None, **app_kwargs):
+def running_server(llm_kwargs: dict | None = None, engine_process: bool = False, **app_kwargs):
     """A ``ServerThread`` serving the embedded SmolLM2 (a model object of its own, so the session's ``smollm2``
-    fixture stays free) as ``MODEL``."""
+    fixture stays free) as ``MODEL``; ``engine_process``: its engine in a process of its own (``AsyncEngine.spawn``,
+    how ``paged-transformers serve`` runs), else stepped by a thread of this process on an ``LLM`` loaded here."""
     from paged_transformers import LLM
     from paged_transformers.default_model import default_model_path
+    from paged_transformers.entrypoints.async_engine import AsyncEngine
     from paged_transformers.entrypoints.openai.api_server import ServerThread, build_app
 
     kwargs = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512, device="cpu")
     kwargs.update(llm_kwargs or {})
+    if engine_process:
+        front = AsyncEngine.spawn(str(default_model_path()), kwargs, app_kwargs.pop("max_num_queued_requests", None))
+        with ServerThread(build_app(front, [MODEL], log_requests=False, **app_kwargs)) as server:
+            yield server
+        return
     llm = LLM(str(default_model_path()), **kwargs)
     try:
         with ServerThread(build_app(llm, [MODEL], log_requests=False, **app_kwargs)) as server:

@@ -128,10 +128,11 @@ class _StandInGraph:
         self.logits.copy_(self.forward())
 
 
-def _graphed_run(monkeypatch, fail_at: int | None = None):
+def _graphed_run(monkeypatch, fail_at: int | None = None, capture_first: bool = False):
     """Six prompts of decreasing lengths (decode batches 6 down to 1) on an engine whose runner replays decode steps
     from stand-in graphs (a ``Compilation`` with decode graphs given to the runner on CPU). ``fail_at``: the capture
-    that raises (1-based).
+    that raises (1-based); ``capture_first``: ``engine.capture_cudagraphs()`` before the requests (its count is
+    appended to ``captures``).
 
     Returns:
         ``(tokens, runner, captures)``: the new tokens per prompt, the runner (after close) and the bucket of
@@ -157,6 +158,8 @@ def _graphed_run(monkeypatch, fail_at: int | None = None):
         assert runner.graphs is None  # CPU: off
         runner.compilation = Compilation(model, runner.device, config.max_num_seqs, cuda_graphs=True)
         runner.record_steps = True
+        if capture_first:
+            captures.append(engine.capture_cudagraphs())
         got = engine_greedy(engine, prompts, lengths)
         runner.captured = sorted(runner.graphs.graphs)  # read before close(), which frees the graphs
     assert got == [stock_greedy(model, p, n)[0] for p, n in zip(prompts, lengths)]
@@ -172,6 +175,23 @@ def test_decode_graphs_are_captured_at_their_first_step(monkeypatch):
     graphed = [s.num_seqs for s in runner.steps if s.kind == "graph"]
     assert len(graphed) > len(captures) and set(graphed) == {1, 2, 3, 4, 5, 6}
     assert not runner.graphs.graphs  # close() dropped them
+
+
+def test_capture_cudagraphs_captures_every_bucket_before_the_first_step(monkeypatch):
+    """What a server does at start-up: every bucket captured, ascending, and none at the decode steps after (each
+    replays); tokens equal stock."""
+    _, runner, captures = _graphed_run(monkeypatch, capture_first=True)
+    assert captures == [1, 2, 4, 8, 4]  # the four buckets, then capture_cudagraphs' count; nothing during the run
+    assert runner.captured == [1, 2, 4, 8]
+    assert {s.num_seqs for s in runner.steps if s.kind == "graph"} == {1, 2, 3, 4, 5, 6}
+
+
+def test_capture_cudagraphs_without_graphs_captures_nothing():
+    model = make_tiny_model("llama", seed=8)
+    with LLMEngine(model, engine_config=EngineConfig(attention_backend="torch", max_model_len=64)) as engine:
+        assert engine.capture_cudagraphs() == 0  # CPU: no graphs
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.capture_cudagraphs()
 
 
 def test_a_failed_capture_leaves_the_runner_eager(monkeypatch):

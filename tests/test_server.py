@@ -1,7 +1,8 @@
 """The OpenAI-compatible server on the embedded SmolLM2, driven by the official ``openai`` client (sync and async)
 and raw HTTP (``httpx``): greedy outputs equal stock ``generate()`` and the offline ``LLM``, streamed text equals
 the whole response, SSE framing, usage, n > 1 and prompt lists, logprobs against the model's own log-softmax,
-stops, metrics, disconnects. One server for the module."""
+stops, metrics, disconnects. One server for the module, its engine in a process of its own (as ``serve`` runs it;
+the other server tests step the engine in a thread of the test process)."""
 
 import asyncio
 import re
@@ -21,7 +22,7 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 @pytest.fixture(scope="module")
 def server(smollm2):
     skip_without_server_deps()
-    with running_server() as server:
+    with running_server(engine_process=True) as server:  # as `paged-transformers serve` runs it
         yield server
 
 
@@ -240,6 +241,17 @@ def test_metrics_count_every_request_and_return_to_idle(client, http):
                  "vllm:prompt_tokens_total"):
         metric(after, name)  # exposed
     assert metric(after, "vllm:prefix_cache_hits_total") > 0  # the same prompt three times
+
+
+def test_logit_bias_reaches_the_engine_process(client, smollm2):
+    # +100 on one token outweighs every logit: greedy decoding then makes only that token (the bias is a logits
+    # processor that crosses to the engine process)
+    _, tokenizer = smollm2
+    token = tokenizer(" blue").input_ids[-1]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(token): 100})
+    assert out.choices[0].text == tokenizer.decode([token] * 3, skip_special_tokens=True)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert plain.choices[0].text != out.choices[0].text
 
 
 def test_a_client_that_disconnects_aborts_its_request(server, http):

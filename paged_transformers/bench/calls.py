@@ -67,10 +67,11 @@ def _agreement(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> dict:
 
 
 class _StepTimer:
-    """Accumulates the wall time spent inside ``engine.step`` (seconds), by wrapping it on the instance."""
+    """Accumulates the wall time spent inside ``engine.step`` (seconds) and the number of steps, by wrapping it on the
+    instance."""
 
     def __init__(self, engine):
-        self.engine, self.total, self._step = engine, 0.0, engine.step
+        self.engine, self.total, self.steps, self._step = engine, 0.0, 0, engine.step
 
         def step():
             t0 = time.perf_counter()
@@ -78,6 +79,7 @@ class _StepTimer:
                 return self._step()
             finally:
                 self.total += time.perf_counter() - t0
+                self.steps += 1
 
         engine.step = step
 
@@ -161,8 +163,10 @@ def generate_calls(model, shapes: list[tuple[int, int, int]], repeats: int) -> l
 def eval_loop(model, config: EngineConfig, num_calls: int = 8, batch: int = 8, prompt_len: int = 128,
               new: int = 32) -> dict:
     """``num_calls`` ``paged_generate`` calls of ``batch`` prompts x ``new`` tokens (an evaluation loop) against
-    as many stock ``generate()`` calls on the same batches; total seconds of each loop."""
+    as many stock ``generate()`` calls on the same batches; total seconds of each loop, and per paged call its wall
+    time and the time inside ``LLMEngine.step`` (seconds; the rest is the call's host work)."""
     from ..integration.generate import paged_generate
+    from ..integration.warm import engine_for
 
     vocab = model.config.get_text_config().vocab_size
     device = next(model.parameters()).device
@@ -176,13 +180,25 @@ def eval_loop(model, config: EngineConfig, num_calls: int = 8, batch: int = 8, p
              for b in batches]
     _sync()
     stock_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    paged = [paged_generate(model, b.tolist(), params, engine_config=config, use_tqdm=False) for b in batches]
-    paged_s = time.perf_counter() - t0
+    prompts = [b.tolist() for b in batches]
+    engine = engine_for(model, engine_config=config)
+    timer = _StepTimer(engine)
+    paged, call_s, in_step_s = [], [], []
+    try:
+        t0 = time.perf_counter()
+        for p in prompts:
+            t_call, step_before = time.perf_counter(), timer.total
+            paged.append(paged_generate(model, p, params, engine_config=config, use_tqdm=False))
+            call_s.append(time.perf_counter() - t_call)
+            in_step_s.append(timer.total - step_before)
+        paged_s = time.perf_counter() - t0
+    finally:
+        timer.remove()
     paged_t = torch.stack([torch.cat([b[i].cpu(), torch.tensor(o.outputs[0].token_ids)])
                            for b, outs in zip(batches, paged) for i, o in enumerate(outs)])
     return {"num_calls": num_calls, "batch": batch, "prompt_len": prompt_len, "new_tokens": new,
             "stock_s": stock_s, "paged_generate_s": paged_s, "speedup": stock_s / paged_s,
+            "paged_call_s": call_s, "paged_in_step_s": in_step_s, "paged_steps": timer.steps,
             "agreement": _agreement(paged_t, torch.cat(stock).cpu(), prompt_len)}
 
 

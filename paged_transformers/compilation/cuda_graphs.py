@@ -78,6 +78,16 @@ class DecodeGraphs:
                 return None
         return size
 
+    def capture_all(self, dummy_step: Callable[[int], Callable[[], torch.Tensor]]) -> int:
+        """Capture every bucket not captured yet, ascending (``bucket``'s capture, so a failure disables graphs as
+        there): what a server does before it takes requests, so that no decode step waits for a capture. Returns the
+        number of graphs captured now."""
+        before = len(self.graphs)
+        for size in self.sizes:
+            if self.bucket(size, dummy_step) is None:
+                break
+        return len(self.graphs) - before
+
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
         """Replay bucket ``size``'s graph; returns the logits of its first ``num_seqs`` rows ``[num_seqs, vocab]``
         (a view of the static output, in the model's dtype)."""

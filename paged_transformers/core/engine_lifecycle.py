@@ -135,6 +135,24 @@ class EngineLifecycle:
             self.cache.allocate()
             self.sleeping = False
 
+    def capture_cudagraphs(self) -> int:
+        """Capture every decode bucket's CUDA graph now, as vLLM does at start-up (its model runner's
+        ``capture_model``), instead of at each bucket's first step: a server calls it before it takes requests, so
+        that no request waits for a capture (each runs a dummy decode step of its bucket twice, then records it;
+        ``compilation.cuda_graphs.graph_batch_sizes`` lists the buckets: 20 for 256 sequences). ``paged_generate``
+        and the patched ``generate()`` keep capturing lazily, so that a process that only decodes at batch 1
+        captures one graph. ``sleep()`` drops the graphs; call this again after ``wake_up()``.
+
+        Returns:
+            The number of graphs captured (0 without CUDA graphs: CPU, ``enforce_eager``).
+
+        Raises:
+            RuntimeError: the engine is closed, detached or asleep (``_check_usable``).
+        """
+        self._check_usable()
+        self._drain()
+        return self.runner.capture_decode_graphs()
+
     def _drain(self) -> None:
         """Wait for the step left running on the device, if any (async scheduling), and forget it."""
         in_flight, self._in_flight = getattr(self, "_in_flight", None), None

@@ -255,6 +255,12 @@ class ModelRunner:
         if self.compilation is not None:
             self.compilation.restore()
 
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> int:
+        """Capture the decode graph of every bucket now (``DecodeGraphs.capture_all``) instead of at its first step.
+        Returns the number captured (0 without graphs: CPU, ``enforce_eager``)."""
+        return self.graphs.capture_all(self._dummy_decode) if self.graphs is not None else 0
+
     def release_graphs(self) -> None:
         """Drop the captured CUDA graphs and their memory pool (the engine's ``sleep``); later decode steps capture
         their buckets' graphs again."""

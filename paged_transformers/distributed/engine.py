@@ -80,6 +80,10 @@ class DriverEngine(ShardedEngine):
         super().wake_up()
         self._call("wake_up")
 
+    def capture_cudagraphs(self) -> int:
+        self._call("capture_cudagraphs")  # before: every rank's captures run their collectives together
+        return super().capture_cudagraphs()
+
     def reset_prefix_cache(self) -> bool:
         emptied = super().reset_prefix_cache()
         self._call("reset_prefix_cache")

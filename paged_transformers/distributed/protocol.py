@@ -65,7 +65,7 @@ class Shutdown:
     """Leave the worker loop."""
 
 
-CALLS = ("attach", "detach", "sleep", "wake_up", "reset_prefix_cache", "close")
+CALLS = ("attach", "detach", "sleep", "wake_up", "reset_prefix_cache", "close", "capture_cudagraphs")
 
 
 class Channel:

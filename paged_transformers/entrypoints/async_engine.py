@@ -1,25 +1,35 @@
 """``AsyncEngine``: an asyncio front over a model's warm ``LLMEngine``, for servers.
 
-The engine is not thread-safe, so exactly one thread touches it: the stepping thread, which holds the engine
-attached (``LLM.attached_engine``) for the front's whole life. Everything else talks to it
-through messages::
+The engine is not thread-safe, so exactly one thread touches it: the stepping loop (``StepLoop``), which holds the
+engine attached for the front's whole life. Everything else talks to it through messages::
 
-    event loop                                   stepping thread
-    ----------                                   ---------------
-    generate(): checks (read-only limits) ---->  commands queue: ("add", id, ids, params) / ("abort", id)
-                                                 drain commands; engine.step(); snapshot the counters
-    per-request _Stream (latest output) <------  loop.call_soon_threadsafe(dispatch, step's outputs)
+    event loop                                   stepping loop (a thread, or the engine process)
+    ----------                                   -----------------------------------------------
+    generate(): checks (read-only limits) ---->  commands: ("add", id, ids, params) / ("abort", id) / ("stop",)
+                                                 apply the commands; engine.step(); snapshot the counters
+    per-request _Stream (latest output) <------  ("outputs", [RequestOutput, ...]) / ("snapshot", ...) / ...
+
+The loop runs in one of two places:
+
+* ``AsyncEngine(llm)``: a thread of this process, on an ``LLM`` loaded here (tests, ``bench serve --model``, a model
+  split over ``tensor_parallel_size`` ranks). The event loop and the stepping thread share the GIL, so under many
+  streams the event loop's per-token work (detokenizing, JSON, socket writes) delays the steps: at saturation on
+  the H200 such a server made 0.23x of the offline engine's tokens/s (BENCHMARKS.md, issue 20).
+* ``AsyncEngine.spawn(model, llm_kwargs)``: a child process that loads the ``LLM`` itself (``multiprocessing``'s
+  spawn start), as vLLM runs its engine core in a process of its own; commands and outputs go through a pipe. The
+  server (``paged-transformers serve``) runs this way: the steps no longer wait for the HTTP side's Python, and a
+  stream that falls behind gets several tokens in one event.
 
 A ``RequestOutput`` is a cumulative snapshot of its request (all tokens so far), so a consumer that falls behind
 reads only the latest one and loses nothing: the loop never queues more than one output per request.
-Detokenizing deltas and encoding JSON happen in the request handlers on the event loop, never on the stepping
-thread, which only steps the engine and hands its outputs over.
+Detokenizing deltas and encoding JSON happen in the request handlers on the event loop, never in the stepping loop,
+which only steps the engine and hands its outputs over.
 """
 
 import asyncio
 import copy
-import dataclasses
 import logging
+import multiprocessing
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -27,10 +37,12 @@ from collections.abc import AsyncIterator
 from ..core.engine_inputs import check_sampling_params, validate_prompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from .engine_process import decode_message, run_engine_process
+from .step_loop import IDLE_POLL_S, EngineLimits, EngineSnapshot, StepLoop
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError"]
 
 logger = logging.getLogger("paged_transformers")
-
-_IDLE_POLL_S = 0.5  # how often an idle stepping thread wakes up to look for a stop (seconds)
 
 
 class QueueFullError(RuntimeError):
@@ -38,35 +50,16 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The stepping thread stopped (it failed, or the front was shut down)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's counters after a step, published by the stepping thread for metrics and admission.
-
-    Attributes:
-        num_running: requests with a sequence in the running batch.
-        num_waiting: requests queued (in the engine's waiting queue, or handed over and not yet added).
-        kv_cache_usage: KV blocks held by sequences / blocks in the pool, 0.0 to 1.0.
-        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the prefix cache / found there.
-        num_preemptions: sequences preempted since the engine started.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
+    """The stepping loop stopped (it failed, or the front was shut down)."""
 
 
 class _Stream:
     """One request's outputs as the event loop sees them: the latest snapshot, an error, or the end."""
 
-    __slots__ = ("latest", "error", "event")
+    __slots__ = ("prompt_token_ids", "latest", "error", "event")
 
-    def __init__(self):
+    def __init__(self, prompt_token_ids: list[int]):
+        self.prompt_token_ids = prompt_token_ids
         self.latest: RequestOutput | None = None
         self.error: BaseException | None = None
         self.event = asyncio.Event()
@@ -74,6 +67,9 @@ class _Stream:
 
 class AsyncEngine:
     """Serve a model's warm engine to asyncio code: ``generate`` yields a request's outputs as they come.
+
+    ``AsyncEngine(llm)`` steps the engine in a thread of this process; ``AsyncEngine.spawn(model, llm_kwargs)`` in a
+    process of its own (the module docstring says when each fits).
 
     Args:
         llm: the loaded ``LLM``; the front holds its engine attached while it runs (``LLM.attached_engine``: the
@@ -84,50 +80,113 @@ class AsyncEngine:
         max_num_queued_requests: most requests waiting for a seat before ``check_admission`` refuses new ones
             with ``QueueFullError``; None: no limit.
 
+    Attributes:
+        tokenizer: the event loop's tokenizer; default_sampling_params: the model's (``LLM.get_default_sampling_params``);
+        limits: ``EngineLimits`` (set once the engine is ready); snapshot: the latest ``EngineSnapshot``.
+
+    Raises:
+        ValueError: a bad ``max_num_queued_requests``.
+
     Call ``start()`` on the event loop that will call ``generate``, and ``shutdown()`` at the end.
     """
 
     def __init__(self, llm, max_num_queued_requests: int | None = None):
+        self._init_front(max_num_queued_requests)
+        self._attached_engine = llm.attached_engine
+        self.tokenizer = copy.deepcopy(llm.tokenizer) if llm.tokenizer is not None else None
+        self.default_sampling_params = llm.get_default_sampling_params()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+
+    @classmethod
+    def spawn(cls, model, llm_kwargs: dict | None = None, max_num_queued_requests: int | None = None) -> "AsyncEngine":
+        """A front whose engine runs in a child process (``multiprocessing`` spawn; vLLM's engine-core process),
+        which loads ``LLM(model, **llm_kwargs)`` and captures its decode CUDA graphs; returns once it is ready.
+
+        Args:
+            model: what ``LLM`` takes as ``model`` (a checkpoint folder or a cached hub id; it must pickle).
+            llm_kwargs: ``LLM``'s other arguments (``tokenizer``, ``dtype``, ``max_model_len``, ...).
+            max_num_queued_requests: as ``AsyncEngine``.
+
+        Raises:
+            ValueError: a bad ``max_num_queued_requests`` (before the process starts).
+            whatever ``LLM`` raised in the child (a missing model, a bad option), or RuntimeError when the child
+            exited before it was ready.
+        """
+        front = cls.__new__(cls)
+        front._init_front(max_num_queued_requests)
+        context = multiprocessing.get_context("spawn")
+        conn, child_conn = context.Pipe()
+        process = context.Process(target=run_engine_process, args=(child_conn, model, dict(llm_kwargs or {})),
+                                  name="paged-transformers-engine", daemon=True)  # fmt: skip
+        process.start()
+        child_conn.close()
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                process.join(30)
+                message = ("dead", RuntimeError(f"the engine process exited (code {process.exitcode}) before it was ready"))
+            if message[0] == "snapshot":
+                front.snapshot = message[1]
+                continue
+            break
+        if message[0] != "ready":
+            process.join(30)
+            conn.close()
+            raise message[1]
+        _, front.limits, front.tokenizer, front.default_sampling_params = message
+        front._process, front._conn, front._send_lock = process, conn, threading.Lock()
+        return front
+
+    def _init_front(self, max_num_queued_requests) -> None:
         if max_num_queued_requests is not None and (
             isinstance(max_num_queued_requests, bool) or not isinstance(max_num_queued_requests, int) or max_num_queued_requests < 0
         ):
             raise ValueError(f"max_num_queued_requests must be a non-negative integer or None, got {max_num_queued_requests!r}")
-        self._attached_engine = llm.attached_engine
-        self.tokenizer = copy.deepcopy(llm.tokenizer) if llm.tokenizer is not None else None
         self.max_num_queued_requests = max_num_queued_requests
-        self.engine = None  # set by the stepping thread once attached; read-only (limits) elsewhere
+        self.limits: EngineLimits | None = None
         self.snapshot = EngineSnapshot()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._process = None  # the engine process (spawn), or None: the stepping thread
         self._streams: dict[str, _Stream] = {}
-        self._num_unadded = 0  # requests handed to the stepping thread and not yet added (event-loop side)
+        self._num_unadded = 0  # requests handed to the stepping loop and not yet added (event-loop side)
         self._counter = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the stepping thread, or the engine process's reader
         self._ready = threading.Event()
         self._stop = threading.Event()
-        self.error: BaseException | None = None  # why the stepping thread died, if it did
+        self.error: BaseException | None = None  # why the stepping loop died, if it did
 
     # -- life ----------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the stepping thread (it attaches the engine); returns once the engine is ready.
+        """Start the stepping thread (it attaches the engine and captures its decode CUDA graphs; an engine process
+        already has: this starts the thread that reads its messages); returns once the engine is ready.
 
         Raises:
             whatever attaching the engine raised (e.g. a ValueError for a KV pool too small).
         """
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="paged-transformers-engine", daemon=True)
+        target = self._read_process if self._process is not None else self._run
+        self._thread = threading.Thread(target=target, name="paged-transformers-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self.error is not None:
             raise self.error
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the stepping thread: unfinished requests are aborted (their blocks freed), the engine detached.
-        Safe to call twice."""
+        """Stop the stepping loop: unfinished requests are aborted (their blocks freed), the engine detached (an
+        engine process exits). Safe to call twice."""
         self._stop.set()
-        self._commands.put(("stop",))
+        self._send(("stop",))
+        if self._process is not None:
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                logger.warning("paged_transformers: the engine process did not stop within %.0f s; terminating it", timeout_s)
+                self._process.terminate()
+                self._process.join(timeout_s)
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self._process is not None:
+            self._conn.close()
 
     def fail_in_flight(self, reason: str) -> None:
         """End every request in flight with ``EngineDeadError(reason)`` (a 503, or an error event and ``[DONE]``
@@ -138,8 +197,11 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        """The stepping thread is alive and accepting requests."""
-        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        """The stepping loop is alive and accepting requests."""
+        alive = self._thread is not None and self._thread.is_alive()
+        if self._process is not None:
+            alive = alive and self._process.is_alive()
+        return alive and not self._stop.is_set()
 
     @property
     def num_waiting(self) -> int:
@@ -150,15 +212,15 @@ class AsyncEngine:
     # -- requests (event loop) -----------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> SamplingParams:
         """What ``LLMEngine.add_request`` would refuse, checked here (on the engine's fixed limits) so that a bad
-        request is refused before it is handed to the stepping thread. Returns the request's own checked copy.
+        request is refused before it is handed to the stepping loop. Returns the request's own checked copy.
 
         Raises:
             ValueError: a bad prompt (``engine_inputs.validate_prompt``) or sampling parameters
                 (``engine_inputs.check_sampling_params``).
         """
-        engine = self.engine
-        validate_prompt(prompt_token_ids, engine.vocab_size, engine.max_model_len, engine.config)
-        return check_sampling_params(sampling_params, engine.config, engine.vocab_size, self.tokenizer)
+        limits = self.limits
+        validate_prompt(prompt_token_ids, limits.vocab_size, limits.max_model_len, limits.config)
+        return check_sampling_params(sampling_params, limits.config, limits.vocab_size, self.tokenizer)
 
     def check_admission(self) -> None:
         """Whether a new request is taken now. A server calls it as a request arrives, before its response starts
@@ -166,7 +228,7 @@ class AsyncEngine:
         So the queue limit is checked at arrival: requests that arrive together may pass it together.
 
         Raises:
-            EngineDeadError: the stepping thread is not running.
+            EngineDeadError: the stepping loop is not running.
             QueueFullError: ``max_num_queued_requests`` requests are waiting.
         """
         self._check_running()
@@ -184,16 +246,17 @@ class AsyncEngine:
 
         Raises:
             ValueError: as ``check_request``, before anything is queued.
-            EngineDeadError: the stepping thread is not running, or stopped (or the server shut down) mid-request.
+            EngineDeadError: the stepping loop is not running, or stopped (or the server shut down) mid-request.
             RuntimeError: the engine failed the request (the exception it raised, as the cause).
         """
         self._check_running()
         params = self.check_request(prompt_token_ids, sampling_params)
         self._counter += 1
         request_id = str(self._counter)
-        stream = self._streams[request_id] = _Stream()
+        prompt_token_ids = list(prompt_token_ids)
+        stream = self._streams[request_id] = _Stream(prompt_token_ids)
         self._num_unadded += 1
-        self._commands.put(("add", request_id, list(prompt_token_ids), params))
+        self._send(("add", request_id, prompt_token_ids, params))
         finished = False
         try:
             while True:
@@ -212,16 +275,28 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._send(("abort", request_id))
 
-    # -- the stepping thread -------------------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        """Hand a command to the stepping loop (its queue, or the engine process's pipe)."""
+        if self._process is None:
+            self._commands.put(command)
+            return
+        with self._send_lock:
+            try:
+                self._conn.send(command)
+            except (OSError, ValueError):  # the process is gone (its reader fails the requests in flight)
+                pass
+
+    # -- the stepping thread, or the engine process's reader ------------------------------------------
     def _run(self) -> None:
         try:
             with self._attached_engine() as engine:
-                self.engine = engine
-                self._publish_snapshot(engine)
+                self.limits = EngineLimits.of(engine)
+                step_loop = StepLoop(engine, self._next_command, self._deliver, self._stop.is_set)
+                step_loop.prepare()
                 self._ready.set()
-                self._step_loop(engine)
+                step_loop.run()
         except BaseException as e:  # noqa: BLE001 - reported to every waiting request, then logged
             self.error = e
             logger.exception("paged_transformers: the engine's stepping thread failed")
@@ -230,59 +305,46 @@ class AsyncEngine:
             self._ready.set()
             self._post(self._fail_all, self.error or EngineDeadError("the engine was shut down"))
 
-    def _step_loop(self, engine) -> None:
-        while True:
-            if not self._apply_commands(engine, block=not engine.has_unfinished_requests()):
-                return
-            if not engine.has_unfinished_requests():
-                continue
-            outputs = engine.step()
-            self._publish_snapshot(engine)
-            if outputs:
-                self._post(self._dispatch, outputs)
-
-    def _apply_commands(self, engine, block: bool) -> bool:
-        """Apply the queued commands (waiting for one when ``block``). Returns False on ``stop``."""
-        added = applied = 0
+    def _next_command(self, block: bool) -> tuple | None:
         try:
-            command = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
-            while command[0] != "stop":
-                applied += 1
-                if command[0] == "add":
-                    added += 1
-                    self._add(engine, *command[1:])
-                else:
-                    engine.abort_request(command[1])
-                command = self._commands.get_nowait()
-            return False
+            return self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
-            return not self._stop.is_set()
-        finally:
-            if applied:  # published before the loop stops counting the added ones as handed over: never undercounted
-                self._publish_snapshot(engine)
-            if added:
-                self._post(self._added, added)
+            return None
 
-    def _add(self, engine, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _read_process(self) -> None:
+        """The reader thread of an engine process: deliver its messages until it dies or closes the pipe."""
+        self._ready.set()
         try:
-            engine.add_request(request_id, prompt_token_ids, params)
-        except Exception as e:  # noqa: BLE001 - checked before (check_request): a failure here is this request's alone
-            self._post(self._fail, request_id, e)
+            while True:
+                message = self._conn.recv()
+                if message[0] == "dead":
+                    self.error = message[1]
+                    logger.error("paged_transformers: the engine process failed: %r", self.error)
+                    return
+                self._deliver(decode_message(message))
+        except (EOFError, OSError):
+            pass
+        finally:
+            self._stop.set()
+            self._post(self._fail_all, self.error or EngineDeadError("the engine was shut down"))
 
-    def _publish_snapshot(self, engine) -> None:
-        stats = engine.stats()
-        running = {seq.request_id for seq in engine.scheduler.running}
-        self.snapshot = EngineSnapshot(
-            num_running=len(running), num_waiting=len(engine.requests) - len(running),
-            kv_cache_usage=stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0,
-            prefix_cache_queries=stats.num_prompt_tokens, prefix_cache_hits=stats.num_cached_tokens,
-            num_preemptions=stats.num_preemptions,
-        )  # fmt: skip
+    def _deliver(self, message: tuple) -> None:
+        """A ``StepLoop`` message, in the thread that received it: counters set here, the rest posted to the loop."""
+        kind = message[0]
+        if kind == "snapshot":
+            self.snapshot = message[1]
+        elif kind == "outputs":
+            self._post(self._dispatch, message[1])
+        elif kind == "added":
+            self._post(self._added, message[1])
+        else:
+            assert kind == "failed", message
+            self._post(self._fail, message[1], message[2])
 
     def _post(self, callback, *args) -> None:
         try:
             self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+        except (RuntimeError, AttributeError):  # the event loop is closed (or never started): nobody is waiting
             pass
 
     # -- callbacks on the event loop ------------------------------------------------------------------
@@ -290,6 +352,8 @@ class AsyncEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
+                if output.prompt_token_ids is None:  # an engine process sends outputs without the prompt
+                    output.prompt_token_ids = stream.prompt_token_ids
                 stream.latest = output
                 stream.event.set()
 

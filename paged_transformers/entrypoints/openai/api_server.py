@@ -81,29 +81,33 @@ def _respond(result) -> Response:
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-def build_app(llm: LLM, served_model_names: list[str] | None = None, *, api_key: str | None = None,
+def build_app(llm: LLM | AsyncEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,
               chat_template: str | None = None, max_num_queued_requests: int | None = None, log_requests: bool = True,
               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
-    """The server's ASGI app for a loaded ``LLM``: its engine starts with the app (lifespan) and stops with it.
+    """The server's ASGI app: its engine's stepping loop starts with the app (lifespan) and stops with it.
 
     Args:
-        llm: the model, tokenizer and engine config to serve (it needs a tokenizer).
+        llm: a loaded ``LLM`` (its engine steps in a thread of this process: ``AsyncEngine(llm)``), or an
+            ``AsyncEngine`` not started yet (``AsyncEngine.spawn``: the engine in a process of its own). It needs a
+            tokenizer.
         served_model_names: names a request's ``model`` may take; default ``[DEFAULT_MODEL_NAME]``.
         api_key: when set, ``/v1`` endpoints need ``Authorization: Bearer <api_key>``.
         chat_template: a Jinja template replacing the tokenizer's.
-        max_num_queued_requests: see ``AsyncEngine``.
+        max_num_queued_requests: see ``AsyncEngine`` (with an ``AsyncEngine``: given to it instead).
         log_requests: log each request at INFO.
         max_request_body_bytes: larger bodies get a 413.
 
     Raises:
-        ValueError: an ``llm`` without a tokenizer, a bad ``max_num_queued_requests``.
+        ValueError: no tokenizer, a bad ``max_num_queued_requests``, or one given with an ``AsyncEngine``.
     """
+    if isinstance(llm, AsyncEngine) and max_num_queued_requests is not None:
+        raise ValueError("max_num_queued_requests is the AsyncEngine's: give it to AsyncEngine.spawn / AsyncEngine()")
     if llm.tokenizer is None:
         raise ValueError("the server needs a tokenizer (an LLM built with skip_tokenizer_init=True has none)")
     names = list(served_model_names or [DEFAULT_MODEL_NAME])
-    front = AsyncEngine(llm, max_num_queued_requests)
+    front = llm if isinstance(llm, AsyncEngine) else AsyncEngine(llm, max_num_queued_requests)
     metrics = ServerMetrics(front, names[0])
-    common = (front, names, llm.get_default_sampling_params(), metrics, log_requests)
+    common = (front, names, front.default_sampling_params, metrics, log_requests)
     completion = OpenAIServingCompletion(*common)
     chat = OpenAIServingChat(*common, chat_template=chat_template)
 
@@ -172,7 +176,7 @@ def _add_routes(app: FastAPI, front: AsyncEngine, names: list[str], completion, 
     @app.get("/v1/models")
     async def list_models():
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "paged-transformers", "root": names[0],
-                 "max_model_len": front.engine.max_model_len} for name in names]  # fmt: skip
+                 "max_model_len": front.limits.max_model_len} for name in names]  # fmt: skip
         return {"object": "list", "data": data}
 
     @app.post("/tokenize")
@@ -183,11 +187,11 @@ def _add_routes(app: FastAPI, front: AsyncEngine, names: list[str], completion, 
             ids = chat.render(request.messages, request.add_generation_prompt)
         else:
             ids = list(completion.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
-        return {"count": len(ids), "max_model_len": front.engine.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": front.limits.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
-        vocab_size = front.engine.vocab_size
+        vocab_size = front.limits.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:
             raise ServingError(400, f"tokens outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
@@ -214,25 +218,33 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
-def load_llm(args) -> tuple[LLM, list[str]]:
-    """Load the model the parsed options name (``LLM``: GPTQ/AWQ folders natively); the ``LLM`` and the served
-    model names (``--served-model-name``, else the model argument, else ``DEFAULT_MODEL_NAME``).
+def served_model(args) -> tuple[str, list[str]]:
+    """The model the parsed options name (the embedded default when none) and the served model names
+    (``--served-model-name``, else the model argument, else ``DEFAULT_MODEL_NAME``)."""
+    model = args.model if args.model is not None else str(default_model_path())
+    return model, args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+
+
+def load_front(args) -> tuple[AsyncEngine, list[str]]:
+    """The engine front of the parsed options, not started, and the served model names (``served_model``). The
+    model (``LLM``: GPTQ/AWQ folders natively) loads in an engine process of its own (``AsyncEngine.spawn``), or,
+    with ``--tensor-parallel-size`` > 1 (whose ranks are processes already), here, stepped by a thread.
 
     Raises:
         ValueError, OSError: as ``LLM`` (a bad option, a missing model, a ``--tensor-parallel-size`` the model's
             heads or the devices do not allow).
     """
-    model = args.model if args.model is not None else str(default_model_path())
-    llm = LLM(model, **llm_arguments(args))
-    return llm, args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    model, names = served_model(args)
+    if args.tensor_parallel_size > 1:
+        return AsyncEngine(LLM(model, **llm_arguments(args)), args.max_num_queued_requests), names
+    return AsyncEngine.spawn(model, llm_arguments(args), args.max_num_queued_requests), names
 
 
 def app_from_args(args) -> FastAPI:
-    """The app of the parsed options (``load_llm``, then ``build_app``)."""
-    llm, names = load_llm(args)
-    return build_app(llm, names, api_key=args.api_key, chat_template=_chat_template(args.chat_template),
-                     max_num_queued_requests=args.max_num_queued_requests, log_requests=not args.disable_log_requests,
-                     max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
+    """The app of the parsed options (``load_front``, then ``build_app``)."""
+    front, names = load_front(args)
+    return build_app(front, names, api_key=args.api_key, chat_template=_chat_template(args.chat_template),
+                     log_requests=not args.disable_log_requests, max_request_body_bytes=args.max_request_body_bytes)
 
 
 def run_server(args) -> int:

@@ -115,7 +115,7 @@ class OpenAIServing:
 
     @property
     def max_model_len(self) -> int:
-        return self.front.engine.max_model_len
+        return self.front.limits.max_model_len
 
     def check_request(self, request: SamplingFields) -> None:
         """Raises ``ServingError``: 404 for another model's name, 400 for a field this server does not serve."""
@@ -160,21 +160,14 @@ class OpenAIServing:
         Raises:
             ServingError: 400 for a key that is not a token id of the vocabulary.
         """
-        vocab_size = self.front.engine.vocab_size
+        vocab_size = self.front.limits.vocab_size
         try:
             ids = [int(key) for key in logit_bias]
         except ValueError:
             raise ServingError(400, f"logit_bias keys must be token ids, got {sorted(logit_bias)[:5]}", "logit_bias") from None
         if any(not 0 <= i < vocab_size for i in ids):
             raise ServingError(400, f"logit_bias has token ids outside the vocabulary [0, {vocab_size})", "logit_bias")
-        bias = torch.tensor([min(100.0, max(-100.0, v)) for v in logit_bias.values()])
-        index = torch.tensor(ids)
-
-        def apply(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # [1, num_tokens], [1, vocab]
-            scores[:, index.to(scores.device)] += bias.to(scores.device, scores.dtype)
-            return scores
-
-        return apply
+        return LogitBias(ids, [min(100.0, max(-100.0, v)) for v in logit_bias.values()])
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """The engine's own checks on one prompt, as a 400 (``AsyncEngine.check_request``)."""
@@ -253,6 +246,22 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         """One token's text, as the logprobs report it."""
         return self.tokenizer.decode([token_id])
+
+
+class LogitBias:
+    """A logits processor adding ``bias[i]`` to the logit of token ``token_ids[i]`` (OpenAI's ``logit_bias``); a
+    plain object, so that it pickles into an engine process.
+
+    Args: token_ids: int token ids; bias: floats, one per token id.
+    """
+
+    def __init__(self, token_ids: list[int], bias: list[float]):
+        self.index = torch.tensor(token_ids)
+        self.bias = torch.tensor(bias)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # [1, num_tokens], [1, vocab]
+        scores[:, self.index.to(scores.device)] += self.bias.to(scores.device, scores.dtype)
+        return scores
 
 
 async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

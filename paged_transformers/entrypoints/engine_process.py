@@ -1,0 +1,82 @@
+"""The engine process of ``AsyncEngine.spawn``: ``run_engine_process`` loads the ``LLM`` and runs the ``StepLoop`` on
+one end of a pipe; ``encode_message`` / ``decode_message`` are what the loop's messages look like on the pipe."""
+
+import dataclasses
+import logging
+import operator
+import pickle
+import signal
+
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .step_loop import IDLE_POLL_S, EngineLimits, StepLoop
+
+logger = logging.getLogger("paged_transformers")
+
+
+def run_engine_process(conn, model, llm_kwargs: dict) -> None:
+    """The engine process: load ``LLM(model, **llm_kwargs)``, send ``("ready", limits, tokenizer, default params)``
+    (or ``("dead", exception)``), then run the ``StepLoop`` on the pipe ``conn`` until ``("stop",)`` or the pipe
+    closes. The server process handles SIGINT and SIGTERM (a graceful shutdown ends with ``stop``), so this one
+    ignores SIGINT (a terminal's Ctrl+C reaches both)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .llm import LLM
+
+    def next_command(block: bool):
+        try:
+            return conn.recv() if conn.poll(IDLE_POLL_S if block else 0) else None
+        except (EOFError, OSError):  # the server process is gone
+            return ("stop",)
+
+    try:
+        llm = LLM(model, **llm_kwargs)
+        with llm.attached_engine() as engine:
+            loop = StepLoop(engine, next_command, lambda message: conn.send(encode_message(message)))
+            loop.prepare()
+            conn.send(("ready", EngineLimits.of(engine), llm.tokenizer, llm.get_default_sampling_params()))
+            loop.run()
+        llm.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the server process, which fails its requests
+        logger.exception("paged_transformers: the engine process failed")
+        try:
+            conn.send(("dead", _picklable(e)))
+        except (OSError, ValueError):
+            pass
+
+
+_completion_row = operator.attrgetter(*(f.name for f in dataclasses.fields(CompletionOutput)))
+_metrics_row = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestMetrics)))
+
+
+def encode_message(message: tuple) -> tuple:
+    """A ``StepLoop`` message as it crosses the pipe: outputs as plain tuples (``decode_message`` rebuilds them; a
+    step of 256 outputs pickles in a quarter of the dataclasses' time) without their prompt's token ids (the front
+    has them), exceptions picklable."""
+    if message[0] == "outputs":
+        rows = []
+        for o in message[1]:
+            completions = [_completion_row(c) if c.error is None else _completion_row(c)[:-1] + (_picklable(c.error),)
+                           for c in o.outputs]  # fmt: skip
+            metrics = None if o.metrics is None else _metrics_row(o.metrics)
+            rows.append((o.request_id, o.prompt, completions, o.finished, metrics))
+        return ("outputs", rows)
+    if message[0] == "failed":
+        return (message[0], message[1], _picklable(message[2]))
+    return message
+
+
+def decode_message(message: tuple) -> tuple:
+    """``encode_message``'s message as the ``StepLoop`` emitted it (outputs with ``prompt_token_ids`` None)."""
+    if message[0] != "outputs":
+        return message
+    return ("outputs", [RequestOutput(request_id, prompt, None, [CompletionOutput(*c) for c in completions], finished,
+                                      None if metrics is None else RequestMetrics(*metrics))
+                        for request_id, prompt, completions, finished, metrics in message[1]])  # fmt: skip
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """``error`` if it pickles, else a ``RuntimeError`` with its text (it crosses the pipe to the server process)."""
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(error).__name__}: {error}")

@@ -1,0 +1,128 @@
+"""``StepLoop``: the stepping side of the server's engine front (``async_engine.AsyncEngine``), in its stepping thread
+or in the engine process (``engine_process``): apply the commands, step the engine, emit its outputs and counters."""
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from ..config import EngineConfig
+from ..sampling_params import SamplingParams
+
+logger = logging.getLogger("paged_transformers")
+
+IDLE_POLL_S = 0.5  # how often an idle stepping loop wakes up to look for a stop (seconds)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's counters after a step, published by the stepping loop for metrics and admission.
+
+    Attributes:
+        num_running: requests with a sequence in the running batch.
+        num_waiting: requests queued (in the engine's waiting queue, or handed over and not yet added).
+        kv_cache_usage: KV blocks held by sequences / blocks in the pool, 0.0 to 1.0.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the prefix cache / found there.
+        num_preemptions: sequences preempted since the engine started.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What the front checks requests against, fixed for the engine's life: the vocabulary size (tokens), the
+    longest sequence (``max_model_len``, tokens) and the engine's ``EngineConfig``."""
+
+    vocab_size: int
+    max_model_len: int
+    config: EngineConfig
+
+    @classmethod
+    def of(cls, engine) -> "EngineLimits":
+        return cls(engine.vocab_size, engine.max_model_len, engine.config)
+
+
+class StepLoop:
+    """The stepping side of the front: applies the commands, steps the engine, emits its outputs and counters.
+
+    Args:
+        engine: the attached ``LLMEngine``, touched by this loop alone.
+        next_command: ``next_command(block)`` returns the next command, waiting up to ``IDLE_POLL_S`` seconds for
+            one when ``block``, or None when there is none.
+        emit: called with each message: ``("snapshot", EngineSnapshot)``, ``("outputs", [RequestOutput])``,
+            ``("added", count)``, ``("failed", request_id, exception)``.
+        should_stop: polled when no command came; True ends the loop.
+    """
+
+    def __init__(self, engine, next_command: Callable[[bool], tuple | None], emit: Callable[[tuple], None],
+                 should_stop: Callable[[], bool] = lambda: False):  # fmt: skip
+        self.engine, self.next_command, self.emit, self.should_stop = engine, next_command, emit, should_stop
+
+    def prepare(self) -> None:
+        """Before the first request: capture every decode CUDA graph (no step waits for a capture), publish the
+        counters."""
+        t0 = time.perf_counter()
+        num_graphs = self.engine.capture_cudagraphs()
+        if num_graphs:
+            logger.info("paged_transformers: captured %d decode CUDA graphs in %.1f s", num_graphs, time.perf_counter() - t0)
+        self.publish_snapshot()
+
+    def run(self) -> None:
+        """Step until a ``("stop",)`` command (or ``should_stop``)."""
+        engine = self.engine
+        while True:
+            if not self.apply_commands(block=not engine.has_unfinished_requests()):
+                return
+            if not engine.has_unfinished_requests():
+                continue
+            outputs = engine.step()
+            self.publish_snapshot()
+            if outputs:
+                self.emit(("outputs", outputs))
+
+    def apply_commands(self, block: bool) -> bool:
+        """Apply the queued commands (waiting for one when ``block``). Returns False on ``stop``."""
+        engine, added, applied = self.engine, 0, 0
+        try:
+            command = self.next_command(block)
+            if command is None:
+                return not self.should_stop()
+            while command is not None:
+                if command[0] == "stop":
+                    return False
+                applied += 1
+                if command[0] == "add":
+                    added += 1
+                    self._add(*command[1:])
+                else:
+                    engine.abort_request(command[1])
+                command = self.next_command(False)
+            return True
+        finally:
+            if applied:  # published before the front stops counting the added ones as handed over: never undercounted
+                self.publish_snapshot()
+            if added:
+                self.emit(("added", added))
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+        except Exception as e:  # noqa: BLE001 - checked before (check_request): a failure here is this request's alone
+            self.emit(("failed", request_id, e))
+
+    def publish_snapshot(self) -> None:
+        engine = self.engine
+        stats = engine.stats()
+        running = {seq.request_id for seq in engine.scheduler.running}
+        self.emit(("snapshot", EngineSnapshot(
+            num_running=len(running), num_waiting=len(engine.requests) - len(running),
+            kv_cache_usage=stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0,
+            prefix_cache_queries=stats.num_prompt_tokens, prefix_cache_hits=stats.num_cached_tokens,
+            num_preemptions=stats.num_preemptions,
+        )))  # fmt: skip
