@@ -217,7 +217,11 @@ def test_models_health_version_tokenize(client, http, smollm2):
     import paged_transformers
 
     _, tokenizer = smollm2
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    import time
+
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert time.time() - 3600 < models[0].created <= time.time()  # the server's start, in seconds since the epoch
     assert http.get("/health").status_code == 200
     assert http.get("/version").json() == {"version": paged_transformers.__version__}
     tokens = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()

@@ -77,7 +77,9 @@ def test_bad_completion_requests_are_400(http, body, param):
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    ({**CHAT, "max_completion_tokens": -3}, "max_tokens"),
+    ({**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
+    ({**CHAT, "max_tokens": -3}, "max_tokens"),
+    ({**CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),  # prompt + it over max_model_len
 ])
 def test_bad_chat_requests_are_400(http, body, param):
     _assert_error(http.post("/v1/chat/completions", json=body), 400, param)

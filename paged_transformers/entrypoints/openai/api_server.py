@@ -173,9 +173,11 @@ def _add_routes(app: FastAPI, front: AsyncEngine, names: list[str], completion, 
         front.check_admission()
         return _respond(await chat.create_chat_completion(request, raw_request, raw_request.headers.get("x-request-id")))
 
+    created = int(time.time())  # the models' "created": when this app was built (the server's start), seconds
+
     @app.get("/v1/models")
     async def list_models():
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "paged-transformers", "root": names[0],
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "paged-transformers", "root": names[0],
                  "max_model_len": front.limits.max_model_len} for name in names]  # fmt: skip
         return {"object": "list", "data": data}
 

@@ -47,9 +47,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         ids = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
                           request.chat_template_kwargs)  # fmt: skip
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         k = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.check_prompt(ids, self.sampling_params(request, len(ids), max_tokens, k))
+        params = self.check_prompt(ids, self.sampling_params(request, len(ids), getattr(request, field), k, field))
         response_id, created = random_id("chatcmpl", request_id), int(time.time())
         if request.stream:
             return sse_frames(self._stream(request, ids, params, response_id, created))

@@ -129,9 +129,10 @@ class OpenAIServing:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
     def sampling_params(self, request: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:  # fmt: skip
+                        logprobs: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:  # fmt: skip
         """The request's ``SamplingParams``: its fields over the server defaults. ``max_tokens`` None: up to
-        ``max_model_len`` (vLLM's rule for chat).
+        ``max_model_len`` (vLLM's rule for chat); ``max_tokens_field``: the request field it came from, which errors
+        about it name (chat's ``max_completion_tokens``).
 
         Raises:
             ServingError: 400 for a field out of range (named), or a prompt plus ``max_tokens`` over ``max_model_len``.
@@ -140,8 +141,8 @@ class OpenAIServing:
         if max_tokens is not None and max_tokens > room > 0:
             raise ServingError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                     f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                                    f"prompt, {max_tokens} in the completion). Please reduce the prompt or max_tokens.",
-                               "max_tokens")  # fmt: skip
+                                    f"prompt, {max_tokens} in the completion). Please reduce the prompt or "
+                                    f"{max_tokens_field}.", max_tokens_field)  # fmt: skip
         fields = {name: getattr(self.defaults, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         fields.update({name: getattr(request, name) for name in _PASSED_FIELDS if getattr(request, name) is not None})
         fields["max_tokens"] = max_tokens if max_tokens is not None else max(room, 1)
@@ -152,7 +153,10 @@ class OpenAIServing:
         try:
             return SamplingParams(**fields)
         except ValueError as e:
-            raise bad_request(e, list(fields) + ["max_tokens"]) from e
+            error = bad_request(e, list(fields) + ["max_tokens"])
+            if error.param == "max_tokens":
+                error.param = max_tokens_field
+            raise error from e
 
     def _logit_bias(self, logit_bias: dict[str, float]):
         """A logits processor adding each bias (clamped to [-100, 100], as OpenAI does) to its token's logit.
