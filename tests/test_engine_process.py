@@ -83,7 +83,7 @@ def test_the_engine_process_dying_ends_requests_and_health(smollm2):
             front._process.kill()
             events = sse_events(list(lines)[1:])  # the rest of the stream, after the first event's blank line
         assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
-        assert events[-2]["error"]["code"] == 503
+        assert events[-2]["error"]["code"] == 503 and "exited unexpectedly" in events[-2]["error"]["message"]
         assert http.get("/health").status_code == 503
         response = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert response.status_code == 503, response.text

@@ -173,3 +173,55 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (Linux ``/proc``)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        children.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads child processes from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_stops_the_engine_process_and_exits_0(smollm2, tmp_path, sig):
+    """SIGTERM or SIGINT while the engine process still loads the model: the server exits 0 at once and its engine
+    process (and multiprocessing's helper) go with it."""
+    skip_without_server_deps()
+    command = [sys.executable, "-m", "paged_transformers.entrypoints.openai.api_server", "--port", str(_free_port()),
+               "--max-model-len", "256", "--device", "cpu"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(process.pid)) < 2:  # the resource tracker and the engine process
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "no engine process started"
+            time.sleep(0.05)
+        children = _children(process.pid)
+        process.send_signal(sig)
+        out = process.communicate(timeout=60)[0]
+        assert process.returncode == 0, out
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in children):
+            assert time.monotonic() < deadline, f"left behind: {[pid for pid in children if _alive(pid)]}"
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

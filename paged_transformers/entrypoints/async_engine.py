@@ -120,16 +120,23 @@ class AsyncEngine:
                                   name="paged-transformers-engine", daemon=True)  # fmt: skip
         process.start()
         child_conn.close()
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                process.join(30)
-                message = ("dead", RuntimeError(f"the engine process exited (code {process.exitcode}) before it was ready"))
-            if message[0] == "snapshot":
-                front.snapshot = message[1]
-                continue
-            break
+        try:
+            while True:
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    process.join(30)
+                    message = ("dead", RuntimeError(f"the engine process exited (code {process.exitcode}) before it "
+                                                    "was ready"))  # fmt: skip
+                if message[0] == "snapshot":
+                    front.snapshot = message[1]
+                    continue
+                break
+        except BaseException:  # interrupted while the model loads (a signal): the process goes too
+            process.terminate()
+            process.join(30)
+            conn.close()
+            raise
         if message[0] != "ready":
             process.join(30)
             conn.close()
@@ -323,7 +330,10 @@ class AsyncEngine:
                     return
                 self._deliver(decode_message(message))
         except (EOFError, OSError):
-            pass
+            if not self._stop.is_set():  # not a shutdown: the process died (killed, out of memory, a crash)
+                self._process.join(5)  # reaped, for its exit code
+                self.error = EngineDeadError(f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
+                logger.error("paged_transformers: %s", self.error)
         finally:
             self._stop.set()
             self._post(self._fail_all, self.error or EngineDeadError("the engine was shut down"))

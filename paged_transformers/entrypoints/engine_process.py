@@ -13,12 +13,25 @@ from .step_loop import IDLE_POLL_S, EngineLimits, StepLoop
 logger = logging.getLogger("paged_transformers")
 
 
+def configure_logging() -> None:
+    """A server process's log lines (the API server's and the engine process's): ``paged_transformers`` loggers at
+    INFO on stderr (per-request lines unless ``--disable-log-requests``, engine start-up, failures), unless the
+    application configured them already."""
+    package = logging.getLogger("paged_transformers")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+
+
 def run_engine_process(conn, model, llm_kwargs: dict) -> None:
     """The engine process: load ``LLM(model, **llm_kwargs)``, send ``("ready", limits, tokenizer, default params)``
     (or ``("dead", exception)``), then run the ``StepLoop`` on the pipe ``conn`` until ``("stop",)`` or the pipe
     closes. The server process handles SIGINT and SIGTERM (a graceful shutdown ends with ``stop``), so this one
     ignores SIGINT (a terminal's Ctrl+C reaches both)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging()
     from .llm import LLM
 
     def next_command(block: bool):
@@ -36,7 +49,10 @@ def run_engine_process(conn, model, llm_kwargs: dict) -> None:
             loop.run()
         llm.close()
     except BaseException as e:  # noqa: BLE001 - reported to the server process, which fails its requests
-        logger.exception("paged_transformers: the engine process failed")
+        if isinstance(e, (ValueError, OSError)):  # a bad model or option: its message is the whole story
+            logger.error("paged_transformers: the engine process could not start: %s", e)
+        else:
+            logger.exception("paged_transformers: the engine process failed")
         try:
             conn.send(("dead", _picklable(e)))
         except (OSError, ValueError):

@@ -30,7 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from ...default_model import DEFAULT_MODEL_NAME, default_model_path
+from ...integration.hub import resolve_model_path
 from ..async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from ..engine_process import configure_logging
 from ..llm import LLM
 from .cli_args import DEFAULT_MAX_BODY_BYTES, llm_arguments, make_arg_parser
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -239,6 +241,7 @@ def load_front(args) -> tuple[AsyncEngine, list[str]]:
     model, names = served_model(args)
     if args.tensor_parallel_size > 1:
         return AsyncEngine(LLM(model, **llm_arguments(args)), args.max_num_queued_requests), names
+    model = resolve_model_path(model)  # a missing folder or uncached id fails here, before a process starts
     return AsyncEngine.spawn(model, llm_arguments(args), args.max_num_queued_requests), names
 
 
@@ -249,9 +252,25 @@ def app_from_args(args) -> FastAPI:
                      log_requests=not args.disable_log_requests, max_request_body_bytes=args.max_request_body_bytes)
 
 
+class _StoppedDuringStartUp(Exception):
+    """SIGTERM or SIGINT arrived while the model was loading (before uvicorn handles the signals)."""
+
+
+def _stop_start_up(sig, frame):
+    raise _StoppedDuringStartUp(signal.Signals(sig).name)
+
+
 def run_server(args) -> int:
-    """Serve until SIGTERM or SIGINT (graceful: see the module docstring). Returns the exit status, 0."""
-    app = app_from_args(args)
+    """Serve until SIGTERM or SIGINT (graceful: see the module docstring); one that arrives while the model loads
+    stops the engine process and exits too. Returns the exit status, 0."""
+    configure_logging()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_start_up)
+    try:
+        app = app_from_args(args)  # AsyncEngine.spawn ends its process when this is interrupted
+    except _StoppedDuringStartUp as e:
+        logger.info("paged_transformers: %s during start-up; stopped", e)
+        return 0
     # uvicorn re-raises the signal it stopped on once it is done; the shutdown is complete by then, so let that
     # raise be a no-op and exit 0 (the default SIGTERM action would end the process with -15)
     for sig in (signal.SIGTERM, signal.SIGINT):
