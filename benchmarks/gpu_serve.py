@@ -74,19 +74,32 @@ def bench_serve(url: str, rate: str, workload: list[str], out_json: str) -> dict
         return json.load(f)["records"][0]
 
 
+def compile_counts() -> dict:
+    """What this process has compiled so far: Dynamo frames, and entries of Triton's on-disk kernel cache (one per
+    kernel compiled on this machine, Inductor's included)."""
+    import torch._dynamo.utils
+
+    cache = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    return {"dynamo_frames_compiled": torch._dynamo.utils.counters["frames"]["ok"],
+            "triton_cache_entries": len(os.listdir(cache)) if os.path.isdir(cache) else 0}
+
+
 def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -> dict:
     """The workload through the offline ``LLM``: a first run (every decode bucket's first step captures its CUDA
-    graph), then the timed one."""
+    graph), then the timed one; with what each compiled (``compile_counts`` before and after)."""
     from paged_transformers import LLM
     from paged_transformers.bench.serve import _offline
     from paged_transformers.bench.workload import synthetic_workload
 
     llm = LLM(path, max_model_len=max_model_len)
     requests = synthetic_workload(num_requests, (64, 512), (16, 128), vocab_size, 0)
+    counts = [compile_counts()]
     first = _offline(llm, requests)
+    counts.append(compile_counts())
     result = _offline(llm, requests)
+    counts.append(compile_counts())
     llm.close()
-    return {**result, "first_run": first}
+    return {**result, "first_run": first, "compile_counts_before_first_after_first_after_second": counts}
 
 
 def server_command(checkpoint: str, port: int, max_model_len: int) -> list[str]:
@@ -147,6 +160,9 @@ def main() -> None:
     print(f"server exit code after SIGTERM: {server['server_exit_code']}")
     print(f"{'offline LLM (first run)':<28}{report['offline']['first_run']['output_throughput']:10.0f}")
     print(f"{'offline LLM':<28}{offline_tok_s:10.0f}  (target: server at saturation >= 0.90 of it)")
+    counts = report["offline"]["compile_counts_before_first_after_first_after_second"]
+    print("offline Dynamo frames / Triton cache entries, before / after the first run / after the second: "
+          + " -> ".join(f"{c['dynamo_frames_compiled']}/{c['triton_cache_entries']}" for c in counts))
 
 
 if __name__ == "__main__":
