@@ -225,3 +225,39 @@ def test_a_signal_during_start_up_stops_the_engine_process_and_exits_0(smollm2, 
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _ignores_sigint(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads child processes from /proc")
+def test_ctrl_c_during_start_up_reaches_the_server_alone(smollm2, tmp_path):
+    """A terminal's Ctrl+C (SIGINT to the whole process group) while the model loads: the server stops its engine
+    process and exits 0, and the engine process prints no KeyboardInterrupt traceback: it (and multiprocessing's
+    resource tracker) start with SIGINT ignored."""
+    skip_without_server_deps()
+    command = [sys.executable, "-m", "paged_transformers.entrypoints.openai.api_server", "--port", str(_free_port()),
+               "--max-model-len", "256", "--device", "cpu"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(process.pid)) < 2:
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "no engine process started"
+            time.sleep(0.01)
+        for pid in _children(process.pid):  # from their first moment (the imports take seconds)
+            assert _ignores_sigint(pid), pid
+        time.sleep(0.5)  # the engine process is importing or loading
+        os.killpg(process.pid, signal.SIGINT)
+        out = process.communicate(timeout=60)[0]
+        assert process.returncode == 0, out
+        assert "KeyboardInterrupt" not in out and "Traceback" not in out, out
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

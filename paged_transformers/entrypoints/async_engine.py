@@ -27,10 +27,12 @@ which only steps the engine and hands its outputs over.
 """
 
 import asyncio
+import contextlib
 import copy
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 from collections.abc import AsyncIterator
 
@@ -51,6 +53,20 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The stepping loop stopped (it failed, or the front was shut down)."""
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored meanwhile (in the main thread; elsewhere nothing changes): a process started now starts with it
+    ignored, before its interpreter could install a KeyboardInterrupt handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _Stream:
@@ -118,7 +134,8 @@ class AsyncEngine:
         conn, child_conn = context.Pipe()
         process = context.Process(target=run_engine_process, args=(child_conn, model, dict(llm_kwargs or {})),
                                   name="paged-transformers-engine", daemon=True)  # fmt: skip
-        process.start()
+        with _sigint_ignored():  # inherited: a terminal's Ctrl+C reaches the server alone, which stops the child
+            process.start()
         child_conn.close()
         try:
             while True:
