@@ -16,6 +16,7 @@ offline; the server captures them all at start-up, but its first run is reported
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,12 +77,48 @@ def bench_serve(url: str, rate: str, workload: list[str], out_json: str) -> dict
 
 def compile_counts() -> dict:
     """What this process has compiled so far: Dynamo frames, and entries of Triton's on-disk kernel cache (one per
-    kernel compiled on this machine, Inductor's included)."""
+    kernel variant compiled on this machine, Inductor's included), with the kernel name of each entry."""
     import torch._dynamo.utils
 
     cache = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    entries = {}
+    for entry in os.listdir(cache) if os.path.isdir(cache) else []:
+        names = {f.rsplit(".", 1)[0] for f in os.listdir(os.path.join(cache, entry)) if f.endswith(".cubin")}
+        entries[entry] = ",".join(sorted(names)) or "?"
     return {"dynamo_frames_compiled": torch._dynamo.utils.counters["frames"]["ok"],
-            "triton_cache_entries": len(os.listdir(cache)) if os.path.isdir(cache) else 0}
+            "triton_cache_entries": len(entries), "entries": entries}
+
+
+def new_kernels(before: dict, after: dict) -> dict:
+    """Kernel name -> how many variants of it were compiled between two ``compile_counts``."""
+    names = [name for entry, name in after["entries"].items() if entry not in before["entries"]]
+    return {name: names.count(name) for name in sorted(set(names))}
+
+
+def count_steps(engine):
+    """Count ``engine.step()`` calls and their wall time (the engine process's stepping-loop log says the same of the
+    server); ``.take()`` returns ``{"steps", "stepping_s"}`` since the last take."""
+
+    class Steps:
+        steps, stepping_s = 0, 0.0
+
+        def take(self) -> dict:
+            taken = {"steps": self.steps, "stepping_s": self.stepping_s}
+            self.steps, self.stepping_s = 0, 0.0
+            return taken
+
+    counter, step = Steps(), engine.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            counter.steps += 1
+            counter.stepping_s += time.perf_counter() - t0
+
+    engine.step = timed_step
+    return counter
 
 
 def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -> dict:
@@ -93,13 +130,28 @@ def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -
 
     llm = LLM(path, max_model_len=max_model_len)
     requests = synthetic_workload(num_requests, (64, 512), (16, 128), vocab_size, 0)
+    steps = count_steps(llm.llm_engine)
     counts = [compile_counts()]
-    first = _offline(llm, requests)
+    first = {**_offline(llm, requests), **steps.take()}
     counts.append(compile_counts())
-    result = _offline(llm, requests)
+    result = {**_offline(llm, requests), **steps.take()}
     counts.append(compile_counts())
     llm.close()
-    return {**result, "first_run": first, "compile_counts_before_first_after_first_after_second": counts}
+    compiled = {"first_run": new_kernels(counts[0], counts[1]), "second_run": new_kernels(counts[1], counts[2])}
+    for c in counts:
+        del c["entries"]
+    return {**result, "first_run": first, "compile_counts_before_first_after_first_after_second": counts,
+            "kernel_variants_compiled": compiled}
+
+
+def profile(pid: int, out_path: str, duration_s: int = 20) -> subprocess.Popen | None:
+    """py-spy, when it is on the PATH: ``duration_s`` seconds of the server and its engine process (``--subprocesses``;
+    idle samples kept, so busy shares can be read off), as collapsed stacks to ``out_path``."""
+    if shutil.which("py-spy") is None:
+        return None
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--subprocesses", "--idle", "--nonblocking",
+                             "--rate", "50", "--duration", str(duration_s), "--format", "raw", "-o", out_path],
+                            stdout=subprocess.DEVNULL, stderr=open(out_path + ".err", "w"))
 
 
 def server_command(checkpoint: str, port: int, max_model_len: int) -> list[str]:
@@ -119,12 +171,17 @@ def serve_runs(args, workload: list[str]) -> dict:
     try:
         report["server_start_s"] = wait_healthy(url, server, 300)
         report["saturation_first"] = bench_serve(url, "inf", workload, os.path.join(args.out, "serve_inf.json"))
+        profiler = profile(server.pid, os.path.join(args.out, "pyspy_saturation.txt"))
         report["saturation"] = bench_serve(url, "inf", workload, os.path.join(args.out, "serve_inf.json"))
+        if profiler is not None:
+            report["profile_exit_code"] = profiler.wait(timeout=60)
         rate = f"{report['saturation']['request_throughput'] / 2:.2f}"
         report["half_rate"] = bench_serve(url, rate, workload, os.path.join(args.out, "serve_half.json"))
     finally:
         server.send_signal(signal.SIGTERM)
         report["server_exit_code"] = server.wait(timeout=60)
+    with open(os.path.join(args.out, "server.log")) as f:  # the stepping loop's line per busy period: the warm-up
+        report["busy_periods"] = [line.split("busy for ", 1)[1].strip() for line in f if "busy for " in line]  # request, then the run, each time
     return report
 
 
@@ -134,7 +191,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="folder to save the checkpoint in; default: a new temporary one")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--port", type=int, default=8011)
-    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--num-requests", type=int, default=1024, help="requests of each run (the runs of record of "
+                    "2026-12-02 used 256: two-second saturation runs, where the ramp weighs)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda", help="cuda; cpu with --shape tiny-llama to try the script")
     args = ap.parse_args()
@@ -158,11 +216,17 @@ def main() -> None:
               f"{r['ttft_s']['p50'] * ms:9.0f}/{r['ttft_s']['p99'] * ms:<8.0f}{r['tpot_s']['p50'] * ms:13.1f}"
               f"{r['output_throughput'] / offline_tok_s:10.3f}")
     print(f"server exit code after SIGTERM: {server['server_exit_code']}")
+    print("server busy periods (the engine process log; a run and its warm-up request are one when no idle wait parted them):\n  " + "\n  ".join(server["busy_periods"]))
     print(f"{'offline LLM (first run)':<28}{report['offline']['first_run']['output_throughput']:10.0f}")
     print(f"{'offline LLM':<28}{offline_tok_s:10.0f}  (target: server at saturation >= 0.90 of it)")
+    o = report["offline"]
+    print(f"offline steps: first run {o['first_run']['steps']} in {o['first_run']['stepping_s']:.2f} s, timed run "
+          f"{o['steps']} in {o['stepping_s']:.2f} s (the server's: its log's stepping-loop line)")
     counts = report["offline"]["compile_counts_before_first_after_first_after_second"]
     print("offline Dynamo frames / Triton cache entries, before / after the first run / after the second: "
           + " -> ".join(f"{c['dynamo_frames_compiled']}/{c['triton_cache_entries']}" for c in counts))
+    for run, kernels in report["offline"]["kernel_variants_compiled"].items():
+        print(f"kernel variants compiled in the offline {run}: {kernels}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,36 @@ def test_outputs_cross_the_pipe_whole():
     assert decode_message(encode_message(snapshot)) == snapshot
 
 
+def test_pipe_writer_sends_in_order_in_batches_and_flushes_on_close():
+    from paged_transformers.entrypoints.engine_process import PipeWriter
+
+    reader, conn = multiprocessing.Pipe(duplex=False)
+    writer = PipeWriter(conn, "test-writer")
+    for i in range(500):
+        writer.put(("n", i))
+    writer.close()
+    received = []
+    while reader.poll(0.5):
+        batch = reader.recv()
+        assert isinstance(batch, list) and batch
+        received += batch
+    assert received == [("n", i) for i in range(500)]
+
+
+def test_pipe_writer_reports_a_message_that_does_not_pickle():
+    import threading
+
+    from paged_transformers.entrypoints.engine_process import PipeWriter
+
+    reader, conn = multiprocessing.Pipe(duplex=False)
+    writer = PipeWriter(conn, "test-writer")
+    writer.put(("ready", threading.Lock()))  # a lock does not pickle
+    writer.close()
+    assert reader.poll(5)
+    ((kind, error),) = reader.recv()
+    assert kind == "dead" and "could not be sent" in str(error) and "lock" in str(error)
+
+
 def test_an_unpicklable_error_crosses_as_its_text():
     from paged_transformers.entrypoints.engine_process import encode_message
 

@@ -191,6 +191,8 @@ def test_plan_launches():
     assert (decode.cfg.block_m, decode.min_q_len, decode.max_q_len) == (16, 1, 4)
     decode, prefill = plan_launches(2048, 4, 128, torch.bfloat16)  # mixed batch: decode rows keep 16-row tiles
     assert decode.max_q_len == 4 and prefill.min_q_len == 5 and prefill.cfg.block_m == 128
+    # a short longest chunk gets the same prefill tile: no kernel variant per batch shape
+    assert plan_launches(8, 4, 128, torch.bfloat16)[1] == prefill
 
 
 def test_pick_config():

@@ -45,6 +45,7 @@ MIN_KEYS_PER_SPLIT = 192
 MAX_KV_SPLITS = 128
 INTERPRETER_NUM_SMS = 4  # SMs that CPU (interpreter) runs plan for: few splits, so the runs stay short
 INT32_MAX = 2**31 - 1
+_LONG_CHUNK = 1 << 16  # query rows of a chunk that gets the largest prefill tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +207,10 @@ def plan_launches(max_query_len: int, num_queries_per_kv: int, head_dim: int, dt
     """Launches for a batch whose longest query chunk is ``max_query_len`` rows (host ints only).
 
     Decode-sized sequences (``q_len <= `` the decode tile's ``block_q``) get 16-row tiles; longer ones
-    get prefill tiles in a second launch over the same batch, where decode sequences exit at once.
+    get prefill tiles in a second launch over the same batch, where decode sequences exit at once. The prefill tile
+    is the largest (``pick_config`` of a long chunk) whatever ``max_query_len`` is: a tile shape is a kernel variant
+    compiled when first seen, so shapes picked per batch would compile in the middle of serving (0.5-1 s each), while
+    a batch whose longest chunk is 5-16 rows is rare and its attention a small part of its step.
     NOTE: one launch with prefill tiles for a mixed batch made each decode token fill a 128-row tile
     (1 valid row of 32 query rows): measured 0.68 ms for 1 prefill of 2048 + 63 decodes at 4096 on an
     H200, against 0.44 ms for the two launches (BENCHMARKS.md).
@@ -215,7 +219,7 @@ def plan_launches(max_query_len: int, num_queries_per_kv: int, head_dim: int, dt
     decode_q = decode.block_m // num_queries_per_kv
     if max_query_len <= decode_q:
         return [QueryBand(decode, 1, decode_q)]
-    prefill = pick_config(max_query_len, num_queries_per_kv, head_dim, dtype)
+    prefill = pick_config(_LONG_CHUNK, num_queries_per_kv, head_dim, dtype)
     return [QueryBand(decode, 1, decode_q), QueryBand(prefill, decode_q + 1, INT32_MAX)]
 
 

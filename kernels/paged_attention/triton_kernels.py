@@ -167,7 +167,10 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+# NOTE: Triton specializes an int argument on == 1 and on divisibility by 16, compiling a variant per combination
+# the first time it is seen. The batch's counts change every step, so left specialized they compile variants in the
+# middle of serving (0.5-1 s each); they only bound loops and masks, which need no such hints.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len", "max_q_len"])
 def _unified_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] (SPLIT == False)
     part_out_ptr,  # [num_tokens, num_heads, num_splits, D_PAD] fp32, unnormalized (SPLIT == True)
@@ -283,7 +286,7 @@ def _unified_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_out_ptr,  # [num_tokens, num_heads, num_splits, D_PAD] fp32

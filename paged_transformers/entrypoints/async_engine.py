@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator
 from ..core.engine_inputs import check_sampling_params, validate_prompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .engine_process import decode_message, run_engine_process
+from .engine_process import PipeWriter, decode_message, run_engine_process
 from .step_loop import IDLE_POLL_S, EngineLimits, EngineSnapshot, StepLoop
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError"]
@@ -138,17 +138,19 @@ class AsyncEngine:
             process.start()
         child_conn.close()
         try:
-            while True:
+            message = None
+            while message is None:
                 try:
-                    message = conn.recv()
+                    messages = conn.recv()
                 except (EOFError, OSError):
                     process.join(30)
-                    message = ("dead", RuntimeError(f"the engine process exited (code {process.exitcode}) before it "
-                                                    "was ready"))  # fmt: skip
-                if message[0] == "snapshot":
-                    front.snapshot = message[1]
-                    continue
-                break
+                    messages = [("dead", RuntimeError(f"the engine process exited (code {process.exitcode}) before "
+                                                      "it was ready"))]  # fmt: skip
+                for m in messages:  # snapshots, then "ready" (or "dead"), which is the last message until requests come
+                    if m[0] == "snapshot":
+                        front.snapshot = m[1]
+                    else:
+                        message = m
         except BaseException:  # interrupted while the model loads (a signal): the process goes too
             process.terminate()
             process.join(30)
@@ -159,7 +161,8 @@ class AsyncEngine:
             conn.close()
             raise message[1]
         _, front.limits, front.tokenizer, front.default_sampling_params = message
-        front._process, front._conn, front._send_lock = process, conn, threading.Lock()
+        front._process, front._conn = process, conn
+        front._writer = PipeWriter(conn, "paged-transformers-commands")
         return front
 
     def _init_front(self, max_num_queued_requests) -> None:
@@ -202,6 +205,7 @@ class AsyncEngine:
         self._stop.set()
         self._send(("stop",))
         if self._process is not None:
+            self._writer.close(timeout_s)
             self._process.join(timeout_s)
             if self._process.is_alive():
                 logger.warning("paged_transformers: the engine process did not stop within %.0f s; terminating it", timeout_s)
@@ -305,12 +309,8 @@ class AsyncEngine:
         """Hand a command to the stepping loop (its queue, or the engine process's pipe)."""
         if self._process is None:
             self._commands.put(command)
-            return
-        with self._send_lock:
-            try:
-                self._conn.send(command)
-            except (OSError, ValueError):  # the process is gone (its reader fails the requests in flight)
-                pass
+        else:  # sent by the writer thread; when the process is gone, its reader fails the requests in flight
+            self._writer.put(command)
 
     # -- the stepping thread, or the engine process's reader ------------------------------------------
     def _run(self) -> None:
@@ -340,12 +340,12 @@ class AsyncEngine:
         self._ready.set()
         try:
             while True:
-                message = self._conn.recv()
-                if message[0] == "dead":
-                    self.error = message[1]
-                    logger.error("paged_transformers: the engine process failed: %r", self.error)
-                    return
-                self._deliver(decode_message(message))
+                for message in self._conn.recv():
+                    if message[0] == "dead":
+                        self.error = message[1]
+                        logger.error("paged_transformers: the engine process failed: %r", self.error)
+                        return
+                    self._deliver(decode_message(message))
         except (EOFError, OSError):
             if not self._stop.is_set():  # not a shutdown: the process died (killed, out of memory, a crash)
                 self._process.join(5)  # reaped, for its exit code

@@ -1,11 +1,18 @@
 """The engine process of ``AsyncEngine.spawn``: ``run_engine_process`` loads the ``LLM`` and runs the ``StepLoop`` on
-one end of a pipe; ``encode_message`` / ``decode_message`` are what the loop's messages look like on the pipe."""
+one end of a pipe; ``encode_message`` / ``decode_message`` are what the loop's messages look like on the pipe.
+
+Each end hands what it sends to a ``PipeWriter`` thread, and the engine process reads its commands in a thread of
+their own: the event loop never waits for a full pipe while the engine is inside a step, nor the stepping loop for
+a server busy with its streams (vLLM's engine core does its socket I/O in threads likewise). Each pipe message is a
+list of messages: a writer sends everything queued since its last send at once."""
 
 import dataclasses
 import logging
 import operator
 import pickle
+import queue
 import signal
+import threading
 
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .step_loop import IDLE_POLL_S, EngineLimits, StepLoop
@@ -34,18 +41,22 @@ def run_engine_process(conn, model, llm_kwargs: dict) -> None:
     configure_logging()
     from .llm import LLM
 
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_commands, args=(conn, commands), name="paged-transformers-commands", daemon=True).start()
+    writer = PipeWriter(conn, "paged-transformers-outputs")
+
     def next_command(block: bool):
         try:
-            return conn.recv() if conn.poll(IDLE_POLL_S if block else 0) else None
-        except (EOFError, OSError):  # the server process is gone
-            return ("stop",)
+            return commands.get(timeout=IDLE_POLL_S) if block else commands.get_nowait()
+        except queue.Empty:
+            return None
 
     try:
         llm = LLM(model, **llm_kwargs)
         with llm.attached_engine() as engine:
-            loop = StepLoop(engine, next_command, lambda message: conn.send(encode_message(message)))
+            loop = StepLoop(engine, next_command, lambda message: writer.put(encode_message(message)))
             loop.prepare()
-            conn.send(("ready", EngineLimits.of(engine), llm.tokenizer, llm.get_default_sampling_params()))
+            writer.put(("ready", EngineLimits.of(engine), llm.tokenizer, llm.get_default_sampling_params()))
             loop.run()
         llm.close()
     except BaseException as e:  # noqa: BLE001 - reported to the server process, which fails its requests
@@ -53,10 +64,67 @@ def run_engine_process(conn, model, llm_kwargs: dict) -> None:
             logger.error("paged_transformers: the engine process could not start: %s", e)
         else:
             logger.exception("paged_transformers: the engine process failed")
-        try:
-            conn.send(("dead", _picklable(e)))
-        except (OSError, ValueError):
-            pass
+        writer.put(("dead", _picklable(e)))
+    finally:
+        writer.close()
+
+
+def _read_commands(conn, commands: queue.SimpleQueue) -> None:
+    """The engine process's command reader: each pipe message's commands into ``commands``, then ``("stop",)`` once
+    the server process is gone (the pipe closed)."""
+    try:
+        while True:
+            for command in conn.recv():
+                commands.put(command)
+    except (EOFError, OSError):
+        commands.put(("stop",))
+
+
+class PipeWriter:
+    """Sends messages to a pipe from a thread of its own: ``put`` never blocks, and a send carries everything queued
+    since the last one, as a list (the reader iterates over it).
+
+    Args:
+        conn: a ``multiprocessing`` connection; name: the thread's name.
+    """
+
+    def __init__(self, conn, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(conn,), name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, message: tuple) -> None:
+        """Queue ``message`` (a picklable tuple) to be sent, in order. Thread-safe."""
+        self._queue.put(message)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send what is queued, then stop the thread (waiting up to ``timeout_s`` seconds for it)."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self, conn) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            messages = [m for m in batch if m is not None]
+            if messages:
+                try:
+                    conn.send(messages)
+                except OSError:  # the other end is gone: nothing more can be sent
+                    return
+                except Exception as e:  # noqa: BLE001 - a message that does not pickle: the other end learns why
+                    logger.exception("paged_transformers: a message could not be sent to the other process")
+                    try:
+                        conn.send([("dead", RuntimeError(f"a message could not be sent: {type(e).__name__}: {e}"))])
+                    except Exception:  # noqa: BLE001 - the other end is gone too
+                        pass
+                    return
+            if len(messages) < len(batch):  # close() was called
+                return
 
 
 _completion_row = operator.attrgetter(*(f.name for f in dataclasses.fields(CompletionOutput)))

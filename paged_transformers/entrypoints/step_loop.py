@@ -74,28 +74,43 @@ class StepLoop:
         self.publish_snapshot()
 
     def run(self) -> None:
-        """Step until a ``("stop",)`` command (or ``should_stop``)."""
-        engine = self.engine
-        while True:
-            if not self.apply_commands(block=not engine.has_unfinished_requests()):
-                return
-            if not engine.has_unfinished_requests():
-                continue
-            outputs = engine.step()
-            self.publish_snapshot()
-            if outputs:
-                self.emit(("outputs", outputs))
+        """Step until a ``("stop",)`` command (or ``should_stop``). Each busy period (from the first step after an
+        idle wait to the next idle wait of ``IDLE_POLL_S`` with no command, or the stop) ends with a log line of how
+        the loop spent it: steps, and emitting their outputs and counters, so that a server's log shows whether the
+        engine or the front bounds it."""
+        engine, clock = self.engine, time.perf_counter
+        period = _BusyPeriod()
+        try:
+            while True:
+                idle = not engine.has_unfinished_requests()
+                applied = self.apply_commands(block=idle)
+                if applied is None:
+                    return
+                if idle and not applied:
+                    period = period.log_and_reset()
+                if not engine.has_unfinished_requests():
+                    continue
+                t0 = clock()
+                outputs = engine.step()
+                t1 = clock()
+                self.publish_snapshot()
+                if outputs:
+                    self.emit(("outputs", outputs))
+                period.add(t0, t1, clock())
+        finally:
+            period.log_and_reset()
 
-    def apply_commands(self, block: bool) -> bool:
-        """Apply the queued commands (waiting for one when ``block``). Returns False on ``stop``."""
+    def apply_commands(self, block: bool) -> int | None:
+        """Apply the queued commands (waiting for one when ``block``). Returns how many were applied, or None on
+        ``stop`` (or when none came and ``should_stop`` says so)."""
         engine, added, applied = self.engine, 0, 0
         try:
             command = self.next_command(block)
             if command is None:
-                return not self.should_stop()
+                return None if self.should_stop() else 0
             while command is not None:
                 if command[0] == "stop":
-                    return False
+                    return None
                 applied += 1
                 if command[0] == "add":
                     added += 1
@@ -103,7 +118,7 @@ class StepLoop:
                 else:
                     engine.abort_request(command[1])
                 command = self.next_command(False)
-            return True
+            return applied
         finally:
             if applied:  # published before the front stops counting the added ones as handed over: never undercounted
                 self.publish_snapshot()
@@ -126,3 +141,27 @@ class StepLoop:
             prefix_cache_queries=stats.num_prompt_tokens, prefix_cache_hits=stats.num_cached_tokens,
             num_preemptions=stats.num_preemptions,
         )))  # fmt: skip
+
+
+class _BusyPeriod:
+    """Where the stepping loop's time went since its last idle wait: from its first step's start to its last step's
+    end, steps, time stepping and emitting (seconds)."""
+
+    __slots__ = ("start", "end", "num_steps", "step_s", "emit_s")
+
+    def __init__(self):
+        self.start, self.end, self.num_steps, self.step_s, self.emit_s = None, None, 0, 0.0, 0.0
+
+    def add(self, t_step: float, t_stepped: float, t_emitted: float) -> None:
+        if self.start is None:
+            self.start = t_step
+        self.end = t_emitted
+        self.num_steps += 1
+        self.step_s += t_stepped - t_step
+        self.emit_s += t_emitted - t_stepped
+
+    def log_and_reset(self) -> "_BusyPeriod":
+        if self.num_steps:
+            logger.info("paged_transformers: busy for %.2f s: %d steps, %.2f s stepping, %.2f s emitting outputs and "
+                        "counters", self.end - self.start, self.num_steps, self.step_s, self.emit_s)
+        return _BusyPeriod()
