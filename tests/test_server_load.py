@@ -114,9 +114,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
 def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2, tmp_path):
-    """SIGTERM: a short request in flight finishes; two that would outlast the 10 s drain (one streamed) end as a 503
-    (an error event and [DONE] when streamed), with no traceback; the process exits 0."""
+    """SIGTERM to the server's whole process group (as `timeout` and systemd send it; the engine process ignores it):
+    a short request in flight finishes; two that would outlast the 10 s drain (one streamed) end as a 503 (an error
+    event and [DONE] when streamed), with no traceback; the process exits 0."""
     skip_without_server_deps()
     import httpx
 
@@ -126,7 +128,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     # cwd outside the checkout: `-m` puts the working directory first on sys.path (CI tests the installed wheel)
     process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+                               text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -154,7 +156,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2, tmp_path):
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             first = next(lines)
-            process.send_signal(signal.SIGTERM)
+            os.killpg(process.pid, signal.SIGTERM)
             events = sse_events([first, *lines])
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
         for thread in threads:
@@ -166,12 +168,12 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2, tmp_path):
         assert status == 200 and stream_events[-1] == "[DONE]" and stream_events[-2]["error"]["code"] == 503
         out = process.communicate(timeout=60)[0]
         assert process.returncode == 0, out
-        assert "Traceback" not in out and "CancelledError" not in out, out
+        assert "Traceback" not in out and "CancelledError" not in out and "exited unexpectedly" not in out, out
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=1)
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
 
@@ -227,10 +229,10 @@ def test_a_signal_during_start_up_stops_the_engine_process_and_exits_0(smollm2, 
             process.wait()
 
 
-def _ignores_sigint(pid: int) -> bool:
+def _ignores(pid: int, sig: int) -> bool:
     with open(f"/proc/{pid}/status") as f:
         mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
-    return bool(mask & (1 << (signal.SIGINT - 1)))
+    return bool(mask & (1 << (sig - 1)))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads child processes from /proc")
@@ -251,7 +253,7 @@ def test_ctrl_c_during_start_up_reaches_the_server_alone(smollm2, tmp_path):
             assert time.monotonic() < deadline, "no engine process started"
             time.sleep(0.01)
         for pid in _children(process.pid):  # from their first moment (the imports take seconds)
-            assert _ignores_sigint(pid), pid
+            assert _ignores(pid, signal.SIGINT) and _ignores(pid, signal.SIGTERM), pid
         time.sleep(0.5)  # the engine process is importing or loading
         os.killpg(process.pid, signal.SIGINT)
         out = process.communicate(timeout=60)[0]
@@ -261,3 +263,46 @@ def test_ctrl_c_during_start_up_reaches_the_server_alone(smollm2, tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads child processes from /proc")
+def test_the_server_exits_1_when_its_engine_process_dies(smollm2, tmp_path):
+    """The engine process killed under a running stream: the stream ends with a 503 error event and [DONE], and the
+    server shuts itself down with exit status 1 (a supervisor's cue to restart it), naming the engine's exit."""
+    skip_without_server_deps()
+    import httpx
+
+    port = _free_port()
+    command = [sys.executable, "-m", "paged_transformers.entrypoints.openai.api_server", "--port", str(port),
+               "--served-model-name", MODEL, "--max-model-len", "1024", "--device", "cpu", "--uvicorn-log-level", "warning"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        engine = [pid for pid in _children(process.pid) if b"resource_tracker" not in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert len(engine) == 1, engine
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            os.kill(engine[0], signal.SIGKILL)
+            events = sse_events([first, *lines])
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503, events[-3:]
+        out = process.communicate(timeout=60)[0]
+        assert process.returncode == 1, out
+        assert "exited unexpectedly (exit code -9)" in out and "shutting the server down" in out, out
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+

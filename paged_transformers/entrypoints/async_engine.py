@@ -56,17 +56,21 @@ class EngineDeadError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _sigint_ignored():
-    """SIGINT ignored meanwhile (in the main thread; elsewhere nothing changes): a process started now starts with it
-    ignored, before its interpreter could install a KeyboardInterrupt handler."""
+def _stop_signals_ignored():
+    """SIGINT and SIGTERM ignored meanwhile (in the main thread; elsewhere nothing changes): a process started now
+    starts with them ignored, before its interpreter could install a KeyboardInterrupt handler."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Stream:
@@ -134,7 +138,9 @@ class AsyncEngine:
         conn, child_conn = context.Pipe()
         process = context.Process(target=run_engine_process, args=(child_conn, model, dict(llm_kwargs or {})),
                                   name="paged-transformers-engine", daemon=True)  # fmt: skip
-        with _sigint_ignored():  # inherited: a terminal's Ctrl+C reaches the server alone, which stops the child
+        # inherited: a terminal's Ctrl+C, or a SIGTERM to the process group (timeout, systemd), stops the server alone,
+        # which drains its requests and then stops the child (kill() when it must: the child ignores SIGTERM)
+        with _stop_signals_ignored():
             process.start()
         child_conn.close()
         try:
@@ -152,7 +158,7 @@ class AsyncEngine:
                     else:
                         message = m
         except BaseException:  # interrupted while the model loads (a signal): the process goes too
-            process.terminate()
+            process.kill()
             process.join(30)
             conn.close()
             raise
@@ -208,8 +214,8 @@ class AsyncEngine:
             self._writer.close(timeout_s)
             self._process.join(timeout_s)
             if self._process.is_alive():
-                logger.warning("paged_transformers: the engine process did not stop within %.0f s; terminating it", timeout_s)
-                self._process.terminate()
+                logger.warning("paged_transformers: the engine process did not stop within %.0f s; killing it", timeout_s)
+                self._process.kill()
                 self._process.join(timeout_s)
         if self._thread is not None:
             self._thread.join(timeout_s)

@@ -36,8 +36,9 @@ def run_engine_process(conn, model, llm_kwargs: dict) -> None:
     """The engine process: load ``LLM(model, **llm_kwargs)``, send ``("ready", limits, tokenizer, default params)``
     (or ``("dead", exception)``), then run the ``StepLoop`` on the pipe ``conn`` until ``("stop",)`` or the pipe
     closes. The server process handles SIGINT and SIGTERM (a graceful shutdown ends with ``stop``), so this one
-    ignores SIGINT (a terminal's Ctrl+C reaches both)."""
+    ignores both (a terminal's Ctrl+C, or a SIGTERM to the process group, reaches both processes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging()
     from .llm import LLM
 

@@ -9,7 +9,8 @@ Errors use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``
 missing or wrong API key, 404 for an unknown model, 413 for a body over ``--max-request-body-bytes``, 503 (with
 ``Retry-After``) while ``--max-num-queued-requests`` requests wait. SIGTERM stops accepting connections, lets the
 requests in flight finish (up to ``SHUTDOWN_TIMEOUT_S``; then they end as 503s, an error event and ``[DONE]`` when
-streamed, and are aborted: ``GracefulServer``), stops the engine and exits 0.
+streamed, and are aborted: ``GracefulServer``), stops the engine and exits 0. An engine that dies on its own ends
+the requests in flight as 503s and the server exits 1.
 """
 
 import asyncio
@@ -52,12 +53,28 @@ class GracefulServer(uvicorn.Server):
     """uvicorn's server, whose shutdown (SIGTERM, SIGINT, ``should_exit``) gives the requests in flight
     ``SHUTDOWN_TIMEOUT_S`` to finish, then ends the rest through the engine (``AsyncEngine.fail_in_flight``: a 503
     envelope, or an error event and ``[DONE]`` when streaming, their blocks freed) and only after ``FLUSH_TIMEOUT_S``
-    more lets uvicorn cancel what is left."""
+    more lets uvicorn cancel what is left.
 
-    def __init__(self, app: FastAPI, **config):
+    With ``exit_on_engine_death`` (the CLI server), an engine that stops by itself (its process killed, a failed
+    step) shuts the server down too, and ``engine_died`` is set: a server that can only answer 503 exits, so that a
+    supervisor restarts it (vLLM's server does the same).
+    """
+
+    def __init__(self, app: FastAPI, exit_on_engine_death: bool = False, **config):
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S + FLUSH_TIMEOUT_S, **config))
         self._front = app.state.front
         self._timer: threading.Timer | None = None
+        self.exit_on_engine_death = exit_on_engine_death
+        self.engine_died = False
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's check, every 0.1 s, whether to exit; here also whether the engine died (when watched)."""
+        if (self.exit_on_engine_death and not self.engine_died and not self.should_exit
+                and self._front.error is not None and not self._front.is_running):  # fmt: skip
+            self.engine_died = True
+            logger.error("paged_transformers: the engine stopped (%s); shutting the server down", self._front.error)
+            self.begin_shutdown()
+        return await super().on_tick(counter)
 
     def begin_shutdown(self) -> None:
         """Stop accepting and start the drain (idempotent)."""
@@ -262,7 +279,8 @@ def _stop_start_up(sig, frame):
 
 def run_server(args) -> int:
     """Serve until SIGTERM or SIGINT (graceful: see the module docstring); one that arrives while the model loads
-    stops the engine process and exits too. Returns the exit status, 0."""
+    stops the engine process and exits too. Returns the exit status: 0, or 1 when the server did not start or
+    stopped because its engine died."""
     configure_logging()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_start_up)
@@ -275,9 +293,10 @@ def run_server(args) -> int:
     # raise be a no-op and exit 0 (the default SIGTERM action would end the process with -15)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server = GracefulServer(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    server = GracefulServer(app, exit_on_engine_death=True, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level)
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and not server.engine_died else 1
 
 
 class ServerThread:
