@@ -96,7 +96,7 @@ def new_kernels(before: dict, after: dict) -> dict:
 
 
 def count_steps(engine):
-    """Count ``engine.step()`` calls and their wall time (the engine process's stepping-loop log says the same of the
+    """Count ``engine.step()`` calls and their wall time (the engine process's busy-period log lines say the same of the
     server); ``.take()`` returns ``{"steps", "stepping_s"}`` since the last take."""
 
     class Steps:
@@ -180,8 +180,8 @@ def serve_runs(args, workload: list[str]) -> dict:
     finally:
         server.send_signal(signal.SIGTERM)
         report["server_exit_code"] = server.wait(timeout=60)
-    with open(os.path.join(args.out, "server.log")) as f:  # the stepping loop's line per busy period: the warm-up
-        report["busy_periods"] = [line.split("busy for ", 1)[1].strip() for line in f if "busy for " in line]  # request, then the run, each time
+    with open(os.path.join(args.out, "server.log")) as f:  # the stepping loop's line per busy period
+        report["busy_periods"] = [line.split("busy for ", 1)[1].strip() for line in f if "busy for " in line]
     return report
 
 
@@ -221,7 +221,7 @@ def main() -> None:
     print(f"{'offline LLM':<28}{offline_tok_s:10.0f}  (target: server at saturation >= 0.90 of it)")
     o = report["offline"]
     print(f"offline steps: first run {o['first_run']['steps']} in {o['first_run']['stepping_s']:.2f} s, timed run "
-          f"{o['steps']} in {o['stepping_s']:.2f} s (the server's: its log's stepping-loop line)")
+          f"{o['steps']} in {o['stepping_s']:.2f} s (the server's: its busy periods above)")
     counts = report["offline"]["compile_counts_before_first_after_first_after_second"]
     print("offline Dynamo frames / Triton cache entries, before / after the first run / after the second: "
           + " -> ".join(f"{c['dynamo_frames_compiled']}/{c['triton_cache_entries']}" for c in counts))

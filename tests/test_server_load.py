@@ -108,6 +108,22 @@ def test_bounded_load_with_disconnects(server):
         assert ok.status_code == 200
 
 
+def _wait_healthy(process: subprocess.Popen, url: str, timeout_s: float = 180.0) -> None:
+    """Until ``url``/health answers 200; fails when the server exits or ``timeout_s`` seconds pass first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,16 +147,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2, tmp_path):
                                text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        _wait_healthy(process, url)
         # two requests too long to finish within the shutdown's 10 s: they end as 503s, not as cancelled tasks
         long = {"model": MODEL, "prompt": "Once", "max_tokens": 2000, "ignore_eos": True}
         results = {}
@@ -279,16 +286,7 @@ def test_the_server_exits_1_when_its_engine_process_dies(smollm2, tmp_path):
     process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        _wait_healthy(process, url)
         engine = [pid for pid in _children(process.pid) if b"resource_tracker" not in open(f"/proc/{pid}/cmdline", "rb").read()]
         assert len(engine) == 1, engine
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 900, "ignore_eos": True, "stream": True}
