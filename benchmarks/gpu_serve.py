@@ -4,10 +4,13 @@
    token for every id of the vocabulary (so any generated id decodes), saved to ``--checkpoint``;
 2. the server (``python -m paged_transformers.entrypoints.openai.api_server``) on it in a subprocess; ``bench serve``
    against it at saturation (rate inf), then at half the saturation request rate;
-3. the server stopped (SIGTERM), then the same workload through the offline ``LLM`` on the same checkpoint.
+3. the server stopped (SIGTERM), then the same workloads through the offline ``LLM`` on the same checkpoint.
 
-Each side runs the workload once before its timed run (the first steps of each decode bucket capture its CUDA graph
-offline; the server captures them all at start-up, but its first run is reported too).
+Each side runs a warm-up workload (seed 0) before its timed run (the first steps of each decode bucket capture its
+CUDA graph offline; the server captures them all at start-up, but its first run is reported too). The timed runs of
+both sides use the prompts of seed 1, the half-rate run those of seed 2: prompts no earlier run sent, so no timed run
+starts on a prefix cache filled by the run before (with the same prompts twice, the server's second run took 449
+steps where its first and the offline runs took 357-361, H200, 2026-12-02).
 
     python benchmarks/gpu_serve.py --out $OUT          # GPU; ~5 min for llama-3-8b
     python benchmarks/gpu_serve.py --shape tiny-llama --device cpu --out out      # the script itself, on CPU
@@ -26,10 +29,14 @@ import urllib.request
 
 
 
-def workload_args(num_requests: int, vocab_size: int) -> list[str]:
-    """``bench serve``'s workload options: prompts U[64, 512], outputs U[16, 128], ids below ``vocab_size``."""
+WARM_UP_SEED, TIMED_SEED, HALF_RATE_SEED = 0, 1, 2
+
+
+def workload_args(num_requests: int, vocab_size: int, seed: int) -> list[str]:
+    """``bench serve``'s workload options: prompts U[64, 512], outputs U[16, 128], ids below ``vocab_size``, the
+    synthetic workload of ``seed``."""
     return ["--num-requests", str(num_requests), "--input-len-range", "64", "512", "--output-len-range", "16", "128",
-            "--vocab-size", str(vocab_size), "--workload-seed", "0"]
+            "--vocab-size", str(vocab_size), "--workload-seed", str(seed)]
 
 
 def make_checkpoint(shape: str, path: str, device: str) -> int:
@@ -122,19 +129,21 @@ def count_steps(engine):
 
 
 def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -> dict:
-    """The workload through the offline ``LLM``: a first run (every decode bucket's first step captures its CUDA
-    graph), then the timed one; with what each compiled (``compile_counts`` before and after)."""
+    """The workload through the offline ``LLM``: a first run on the warm-up prompts (every decode bucket's first step
+    captures its CUDA graph), then the timed one on the timed prompts; with what each compiled (``compile_counts``
+    before and after)."""
     from paged_transformers import LLM
     from paged_transformers.bench.serve import _offline
     from paged_transformers.bench.workload import synthetic_workload
 
     llm = LLM(path, max_model_len=max_model_len)
-    requests = synthetic_workload(num_requests, (64, 512), (16, 128), vocab_size, 0)
+    warm_up, timed = (synthetic_workload(num_requests, (64, 512), (16, 128), vocab_size, seed)
+                      for seed in (WARM_UP_SEED, TIMED_SEED))
     steps = count_steps(llm.llm_engine)
     counts = [compile_counts()]
-    first = {**_offline(llm, requests), **steps.take()}
+    first = {**_offline(llm, warm_up), **steps.take()}
     counts.append(compile_counts())
-    result = {**_offline(llm, requests), **steps.take()}
+    result = {**_offline(llm, timed), **steps.take()}
     counts.append(compile_counts())
     llm.close()
     compiled = {"first_run": new_kernels(counts[0], counts[1]), "second_run": new_kernels(counts[1], counts[2])}
@@ -161,22 +170,26 @@ def server_command(checkpoint: str, port: int, max_model_len: int) -> list[str]:
             "--uvicorn-log-level", "warning"]
 
 
-def serve_runs(args, workload: list[str]) -> dict:
-    """The server: start-up, a first saturation run (the warm-up), the timed saturation run, the half-rate run, then
-    SIGTERM."""
+def serve_runs(args, vocab_size: int) -> dict:
+    """The server: start-up, a first saturation run (the warm-up prompts), the timed saturation run, the half-rate run
+    (each on prompts of its own), then SIGTERM."""
     url = f"http://127.0.0.1:{args.port}"
     server = subprocess.Popen(server_command(args.checkpoint, args.port, args.max_model_len),
                               stdout=open(os.path.join(args.out, "server.log"), "w"), stderr=subprocess.STDOUT)
     report = {}
     try:
         report["server_start_s"] = wait_healthy(url, server, 300)
-        report["saturation_first"] = bench_serve(url, "inf", workload, os.path.join(args.out, "serve_inf.json"))
+        def workload(seed):
+            return workload_args(args.num_requests, vocab_size, seed)
+
+        report["saturation_first"] = bench_serve(url, "inf", workload(WARM_UP_SEED),
+                                                 os.path.join(args.out, "serve_inf_first.json"))
         profiler = profile(server.pid, os.path.join(args.out, "pyspy_saturation.txt"))
-        report["saturation"] = bench_serve(url, "inf", workload, os.path.join(args.out, "serve_inf.json"))
+        report["saturation"] = bench_serve(url, "inf", workload(TIMED_SEED), os.path.join(args.out, "serve_inf.json"))
         if profiler is not None:
             report["profile_exit_code"] = profiler.wait(timeout=60)
         rate = f"{report['saturation']['request_throughput'] / 2:.2f}"
-        report["half_rate"] = bench_serve(url, rate, workload, os.path.join(args.out, "serve_half.json"))
+        report["half_rate"] = bench_serve(url, rate, workload(HALF_RATE_SEED), os.path.join(args.out, "serve_half.json"))
     finally:
         server.send_signal(signal.SIGTERM)
         report["server_exit_code"] = server.wait(timeout=60)
@@ -199,10 +212,10 @@ def main() -> None:
     args.checkpoint = args.checkpoint or tempfile.mkdtemp(prefix="pt_serve_ck_")
     t0 = time.perf_counter()
     vocab_size = min(20000, make_checkpoint(args.shape, args.checkpoint, args.device))
-    workload = workload_args(args.num_requests, vocab_size)
-    report = {"checkpoint_s": time.perf_counter() - t0, "workload": workload}
+    report = {"checkpoint_s": time.perf_counter() - t0,
+              "workload": workload_args(args.num_requests, vocab_size, TIMED_SEED)}
     os.makedirs(args.out, exist_ok=True)
-    report["server"] = server = serve_runs(args, workload)
+    report["server"] = server = serve_runs(args, vocab_size)
     report["offline"] = offline(args.checkpoint, args.max_model_len, args.num_requests, vocab_size)
     offline_tok_s = report["offline"]["output_throughput"]
     server["saturation_over_offline"] = server["saturation"]["output_throughput"] / offline_tok_s
