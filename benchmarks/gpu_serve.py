@@ -177,11 +177,12 @@ def serve_runs(args, vocab_size: int) -> dict:
     server = subprocess.Popen(server_command(args.checkpoint, args.port, args.max_model_len),
                               stdout=open(os.path.join(args.out, "server.log"), "w"), stderr=subprocess.STDOUT)
     report = {}
+
+    def workload(seed: int) -> list[str]:
+        return workload_args(args.num_requests, vocab_size, seed)
+
     try:
         report["server_start_s"] = wait_healthy(url, server, 300)
-        def workload(seed):
-            return workload_args(args.num_requests, vocab_size, seed)
-
         report["saturation_first"] = bench_serve(url, "inf", workload(WARM_UP_SEED),
                                                  os.path.join(args.out, "serve_inf_first.json"))
         profiler = profile(server.pid, os.path.join(args.out, "pyspy_saturation.txt"))
