@@ -9,8 +9,7 @@
 Each side runs a warm-up workload (seed 0) before its timed run (the first steps of each decode bucket capture its
 CUDA graph offline; the server captures them all at start-up, but its first run is reported too). The timed runs of
 both sides use the prompts of seed 1, the half-rate run those of seed 2: prompts no earlier run sent, so no timed run
-starts on a prefix cache filled by the run before (with the same prompts twice, the server's second run took 449
-steps where its first and the offline runs took 357-361, H200, 2026-12-02).
+starts on a prefix cache that holds its prompts.
 
     python benchmarks/gpu_serve.py --out $OUT          # GPU; ~5 min for llama-3-8b
     python benchmarks/gpu_serve.py --shape tiny-llama --device cpu --out out      # the script itself, on CPU
@@ -154,8 +153,9 @@ def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -
 
 
 def profile(pid: int, out_path: str, duration_s: int = 20) -> subprocess.Popen | None:
-    """py-spy (``--profile``), when it is on the PATH: ``duration_s`` seconds of the server and its engine process (``--subprocesses``;
-    idle samples kept, so busy shares can be read off), as collapsed stacks to ``out_path``."""
+    """py-spy (``--profile``), None when it is not on the PATH: ``duration_s`` seconds of the server and its engine
+    process (``--subprocesses``; idle samples kept, so busy shares can be read off), as collapsed stacks to
+    ``out_path``."""
     if shutil.which("py-spy") is None:
         return None
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--subprocesses", "--idle", "--nonblocking",
@@ -190,7 +190,8 @@ def serve_runs(args, vocab_size: int) -> dict:
         if profiler is not None:
             report["profile_exit_code"] = profiler.wait(timeout=60)
         rate = f"{report['saturation']['request_throughput'] / 2:.2f}"
-        report["half_rate"] = bench_serve(url, rate, workload(HALF_RATE_SEED), os.path.join(args.out, "serve_half.json"))
+        report["half_rate"] = bench_serve(url, rate, workload(HALF_RATE_SEED),
+                                          os.path.join(args.out, "serve_half.json"))
     finally:
         server.send_signal(signal.SIGTERM)
         report["server_exit_code"] = server.wait(timeout=60)
