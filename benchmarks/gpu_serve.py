@@ -29,13 +29,15 @@ import urllib.request
 
 
 WARM_UP_SEED, TIMED_SEED, HALF_RATE_SEED = 0, 1, 2
+INPUT_LEN_RANGE, OUTPUT_LEN_RANGE = (64, 512), (16, 128)  # tokens, uniform, both ends included
 
 
 def workload_args(num_requests: int, vocab_size: int, seed: int) -> list[str]:
-    """``bench serve``'s workload options: prompts U[64, 512], outputs U[16, 128], ids below ``vocab_size``, the
-    synthetic workload of ``seed``."""
-    return ["--num-requests", str(num_requests), "--input-len-range", "64", "512", "--output-len-range", "16", "128",
-            "--vocab-size", str(vocab_size), "--workload-seed", str(seed)]
+    """``bench serve``'s workload options: prompts of ``INPUT_LEN_RANGE`` tokens, outputs of ``OUTPUT_LEN_RANGE``,
+    ids below ``vocab_size``, the synthetic workload of ``seed``."""
+    return ["--num-requests", str(num_requests), "--input-len-range", *map(str, INPUT_LEN_RANGE),
+            "--output-len-range", *map(str, OUTPUT_LEN_RANGE), "--vocab-size", str(vocab_size),
+            "--workload-seed", str(seed)]
 
 
 def make_checkpoint(shape: str, path: str, device: str) -> int:
@@ -136,7 +138,7 @@ def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -
     from paged_transformers.bench.workload import synthetic_workload
 
     llm = LLM(path, max_model_len=max_model_len)
-    warm_up, timed = (synthetic_workload(num_requests, (64, 512), (16, 128), vocab_size, seed)
+    warm_up, timed = (synthetic_workload(num_requests, INPUT_LEN_RANGE, OUTPUT_LEN_RANGE, vocab_size, seed)
                       for seed in (WARM_UP_SEED, TIMED_SEED))
     steps = count_steps(llm.llm_engine)
     counts = [compile_counts()]
