@@ -32,12 +32,12 @@ def running_server(llm_kwargs: dict | None = None, engine_process: bool = False,
     kwargs.update(llm_kwargs or {})
     if engine_process:
         front = AsyncEngine.spawn(str(default_model_path()), kwargs, app_kwargs.pop("max_num_queued_requests", None))
-        with ServerThread(build_app(front, [MODEL], log_requests=False, **app_kwargs)) as server:
+        with ServerThread(build_app(front, [MODEL], **{"log_requests": False, **app_kwargs})) as server:
             yield server
         return
     llm = LLM(str(default_model_path()), **kwargs)
     try:
-        with ServerThread(build_app(llm, [MODEL], log_requests=False, **app_kwargs)) as server:
+        with ServerThread(build_app(llm, [MODEL], **{"log_requests": False, **app_kwargs})) as server:
             yield server
     finally:
         llm.close()

@@ -214,6 +214,8 @@ def test_async_client_concurrent_requests(server):
 
 
 def test_models_health_version_tokenize(client, http, smollm2):
+    import openai
+
     import paged_transformers
 
     _, tokenizer = smollm2
@@ -222,6 +224,9 @@ def test_models_health_version_tokenize(client, http, smollm2):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert time.time() - 3600 < models[0].created <= time.time()  # the server's start, in seconds since the epoch
+    assert client.models.retrieve(MODEL) == models[0]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     assert http.get("/health").status_code == 200
     assert http.get("/version").json() == {"version": paged_transformers.__version__}
     tokens = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()

@@ -3,6 +3,8 @@ malformed or out-of-range input and unserved fields, 401 without the API key, 40
 huge body, 503 with Retry-After when the queue is full. Never a 500; the pool is whole afterwards."""
 
 import json
+import logging
+import time
 
 import pytest
 
@@ -16,7 +18,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
 @pytest.fixture(scope="module")
 def server(smollm2):
     skip_without_server_deps()
-    with running_server({"max_num_seqs": 1, "max_model_len": 128}, api_key=KEY, max_num_queued_requests=1) as server:
+    with running_server({"max_num_seqs": 1, "max_model_len": 128}, api_key=KEY, max_num_queued_requests=1,
+                        log_requests=True) as server:
         yield server
 
 
@@ -130,8 +133,6 @@ def test_api_key_and_model_name(server, http):
 
 
 def test_a_full_queue_is_503_with_retry_after(server, http):
-    import time
-
     long = {**GOOD, "max_tokens": 100, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=long) as running:
         next(running.iter_lines())  # the one seat (max_num_seqs=1) is taken
@@ -145,6 +146,18 @@ def test_a_full_queue_is_503_with_retry_after(server, http):
             assert response.headers["retry-after"] == "1"
             assert waiting.status_code == 200
     wait_idle(http)
+
+
+def test_a_disconnect_aborts_the_request_and_is_logged(http, caplog):
+    caplog.set_level(logging.INFO, logger="paged_transformers.serve")
+    with http.stream("POST", "/v1/completions", json={**GOOD, "max_tokens": 100, "ignore_eos": True, "stream": True}) as response:
+        next(response.iter_lines())  # running; leaving the block closes the connection
+    assert metric(wait_idle(http), "vllm:kv_cache_usage_perc") == 0
+    deadline = time.monotonic() + 10
+    while not any(r.getMessage().endswith("aborted (its client disconnected, or the server is stopping)")
+                  for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.05)
 
 
 def test_the_server_is_healthy_after_bad_input(http):

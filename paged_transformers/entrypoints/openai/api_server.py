@@ -4,7 +4,8 @@ Launch it as ``paged-transformers serve MODEL [options]`` or, with vLLM's module
 ``python -m paged_transformers.entrypoints.openai.api_server --model MODEL [options]`` (``cli_args.py``).
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (JSON, or server-sent events with ``stream``),
-``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``, ``/metrics`` (Prometheus, vLLM's names).
+``/v1/models`` and ``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``, ``/metrics``
+(Prometheus, vLLM's names).
 Errors use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request, 401 for a
 missing or wrong API key, 404 for an unknown model, 413 for a body over ``--max-request-body-bytes``, 503 (with
 ``Retry-After``) while ``--max-num-queued-requests`` requests wait. SIGTERM stops accepting connections, lets the
@@ -194,11 +195,19 @@ def _add_routes(app: FastAPI, front: AsyncEngine, names: list[str], completion, 
 
     created = int(time.time())  # the models' "created": when this app was built (the server's start), seconds
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "paged-transformers", "root": names[0],
+                "max_model_len": front.limits.max_model_len}
+
     @app.get("/v1/models")
     async def list_models():
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "paged-transformers", "root": names[0],
-                 "max_model_len": front.limits.max_model_len} for name in names]  # fmt: skip
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):  # OpenAI's "retrieve model" (``client.models.retrieve``); ids may hold "/"
+        if model not in names:
+            raise ServingError(404, f"The model `{model}` does not exist.", "model")
+        return model_card(model)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):

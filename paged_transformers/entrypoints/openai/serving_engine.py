@@ -197,6 +197,8 @@ class OpenAIServing:
         finally:
             if last is not None:
                 self.metrics.record_tokens(len(prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))
+            if self.log_requests and (last is None or not last.finished):
+                logger.info("request %s aborted (its client disconnected, or the server is stopping)", log_id)
 
     async def stream_choices(self, requests: list[tuple[list[int], SamplingParams]], log_id: str) -> AsyncIterator[ChoiceDelta]:
         """Run ``(prompt token ids, params)`` requests together, yielding each choice's deltas as the engine makes
