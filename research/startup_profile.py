@@ -4,8 +4,9 @@ the decode speed the engine then has (batch 1 and 64), so that a start-up saving
 
     TORCH_LOGS=recompiles python research/startup_profile.py --out DIR   # on the GPU machine, twice (cold, warm cache)
 
-``--specialize-one`` traces as the tree before ``compile.tracing_settings`` did (the row count 1 specialized, duck
-shapes on): the comparison behind that setting. ``--cprofile`` also writes the construction's cProfile (top 60).
+Each report has the construction's Inductor / AOTAutograd cache hits and misses. ``--specialize-one`` traces as the
+tree before ``compile.tracing_settings`` did (the row count 1 specialized, duck shapes on): the comparison behind
+that setting. ``--cprofile`` also writes the construction's cProfile (top 60).
 """
 
 import argparse
@@ -87,6 +88,9 @@ def main() -> None:
             f.write(text.getvalue())
     report["construction_phases"] = dict(TIMES)
     report["compile_times_construction"] = torch._dynamo.utils.compile_times(repr="str")
+    report["cache_counters_construction"] = {  # the Inductor / AOTAutograd cache hits and misses, PGO's reads
+        group: {k: v for k, v in torch._dynamo.utils.counters[group].items() if "cache" in k or "pgo" in k}
+        for group in ("inductor", "aot_autograd", "dynamo")}
     TIMES.clear()
     prompt = torch.randint(0, 1000, (128,)).tolist()
     for name in ("first_call", "second_call"):
