@@ -58,6 +58,11 @@ class RequestOutput:
         outputs: ``n`` ``CompletionOutput``s, ordered by index.
         finished: all ``n`` sequences have finished.
         metrics: ``RequestMetrics``.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, one entry per prompt token (vLLM's format):
+            ``None`` for the first (nothing scores it), then ``{token_id: logprob}`` holding the prompt token and
+            the top ``prompt_logprobs`` tokens at its position (natural log, float, from the raw logits as
+            ``CompletionOutput.logprobs``). Complete in every output that has a sampled token; shared by the
+            request's ``n`` completions. None when not asked for.
     """
 
     request_id: str
@@ -66,3 +71,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

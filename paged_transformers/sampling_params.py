@@ -30,6 +30,9 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         logprobs: if set, return the log-probabilities of the sampled token and of the top
             ``logprobs`` tokens at each step (from the model's raw logits, before any processing).
+        prompt_logprobs: if set (>= 0), return the log-probability of every prompt token after the first and of
+            the top ``prompt_logprobs`` tokens at its position (``RequestOutput.prompt_logprobs``; raw logits, as
+            ``logprobs``). The whole prompt is computed then: such a request takes no prefix-cache hits.
         repetition_penalty: > 0; as in transformers/CTRL, applied to prompt and output tokens.
         presence_penalty, frequency_penalty: in [-2, 2]; OpenAI-style, applied to output tokens.
         logits_processors: callables with the transformers ``LogitsProcessor`` signature
@@ -65,6 +68,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -117,8 +121,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs, 0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _check_int(name, getattr(self, name), 0))
         if self.seed is not None:
             if not _is_int(self.seed):
                 raise ValueError(f"seed must be an integer or None, got {self.seed!r}")

@@ -18,7 +18,7 @@ def test_outputs_cross_the_pipe_whole():
     outputs = [
         RequestOutput("1", "a prompt", [5, 6, 7], [CompletionOutput(0, "", [1, 2], -0.5, [{1: -0.2}, {2: -0.3}]),
                                                   CompletionOutput(1, "done", [3], None, None, "stop", "x")],
-                      False, RequestMetrics(1.0, 2.0, 3.0)),
+                      False, RequestMetrics(1.0, 2.0, 3.0), [None, {6: -1.5, 4: -0.5}, {7: -2.0}]),
         RequestOutput("2", None, [8], [CompletionOutput(0, "", [], None, None, "abort", None, ValueError("bad"))],
                       True, RequestMetrics(4.0, None, None, 5.0)),
     ]  # fmt: skip
@@ -26,7 +26,8 @@ def test_outputs_cross_the_pipe_whole():
     assert kind == "outputs" and len(got) == 2
     for a, b in zip(got, outputs):
         assert a.prompt_token_ids is None  # the front fills them in from its own record of the request
-        assert (a.request_id, a.prompt, a.finished, a.metrics) == (b.request_id, b.prompt, b.finished, b.metrics)
+        assert (a.request_id, a.prompt, a.finished, a.metrics, a.prompt_logprobs) == (
+            b.request_id, b.prompt, b.finished, b.metrics, b.prompt_logprobs)
         assert [c.error is None for c in a.outputs] == [c.error is None for c in b.outputs]
         for ca, cb in zip(a.outputs, b.outputs):
             assert (ca.index, ca.text, ca.token_ids, ca.cumulative_logprob, ca.logprobs, ca.finish_reason,

@@ -163,6 +163,69 @@ def test_streamed_logprobs_offsets_run_on(http):
     assert [t for p in parts for t in p["tokens"]] == whole["tokens"]
 
 
+def _offsets(tokens: list[str]) -> list[int]:
+    return [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+
+def test_echo_with_logprobs_gives_the_prompts_then_the_completions(client, smollm2):
+    """Non-streamed and streamed (each choice's first chunk carries the prompt's entries): the prompt's tokens first,
+    its first entry None, the rest equal to the offline engine's prompt logprobs and to stock log_softmax."""
+    from paged_transformers import LLM, SamplingParams
+
+    model, tokenizer = smollm2
+    ids = tokenizer(PROMPT).input_ids
+    n = len(ids)
+    with torch.inference_mode():
+        stock = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    with LLM(model, tokenizer=tokenizer) as llm:
+        (offline,) = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2),
+                                  use_tqdm=False)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    choice = got.choices[0]
+    lp = choice.logprobs
+    assert choice.text == PROMPT + offline.outputs[0].text and got.usage.completion_tokens == 3
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 3
+    assert "".join(lp.tokens[:n]) == PROMPT and lp.text_offset == _offsets(lp.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, n):
+        entry = offline.prompt_logprobs[i]
+        assert lp.token_logprobs[i] == pytest.approx(entry[ids[i]], abs=1e-4)
+        assert lp.token_logprobs[i] == pytest.approx(stock[i - 1, ids[i]].item(), abs=1e-4)
+        top = sorted(entry.items(), key=lambda item: -item[1])[:2]
+        assert list(lp.top_logprobs[i]) == [tokenizer.decode([t]) for t, _ in top]
+        assert list(lp.top_logprobs[i].values()) == pytest.approx([v for _, v in top], abs=1e-4)
+    completion = offline.outputs[0]
+    want = [e[t] for t, e in zip(completion.token_ids, completion.logprobs)]
+    assert lp.token_logprobs[n:] == pytest.approx(want, abs=1e-4)
+
+    for k in (0, 1):  # n = 2 choices, streamed
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                                echo=True, n=2, stream=True))
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == k]
+        assert mine[0].logprobs.tokens[:n] == lp.tokens[:n] and mine[0].text.startswith(PROMPT)
+        assert mine[0].logprobs.token_logprobs[0] is None and mine[0].logprobs.top_logprobs[0] is None
+        assert "".join(c.text for c in mine) == choice.text
+        assert [t for c in mine for t in c.logprobs.tokens] == lp.tokens
+        assert [o for c in mine for o in c.logprobs.text_offset] == lp.text_offset
+        streamed = [v for c in mine for v in c.logprobs.token_logprobs]
+        assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(client, http):
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = got.choices[0]
+    assert choice.text == PROMPT and "".join(choice.logprobs.tokens) == PROMPT and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None and None not in choice.logprobs.token_logprobs[1:]
+    assert got.usage.completion_tokens == 0 and got.usage.total_tokens == got.usage.prompt_tokens
+    events = _stream_lines(http, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True,
+                                                      "logprobs": 1, "stream": True})
+    (only,) = [e["choices"][0] for e in events[:-1]]
+    assert only["text"] == PROMPT and only["logprobs"]["tokens"] == choice.logprobs.tokens
+    assert only["finish_reason"] == "length"
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True).choices[0]
+    assert plain.text == PROMPT and plain.logprobs is None
+
+
 def test_an_error_mid_stream_is_an_event_then_done():
     from paged_transformers.entrypoints.openai.serving_engine import sse_frames
 

@@ -58,7 +58,9 @@ BAD_COMPLETIONS = [
     ({**GOOD, "logprobs": 21}, "logprobs"),
     ({**GOOD, "best_of": 3}, "best_of"),
     ({**GOOD, "suffix": "x"}, "suffix"),
-    ({**GOOD, "echo": True, "logprobs": 1}, "echo"),
+    ({**GOOD, "echo": True, "logprobs": 21}, "logprobs"),
+    ({**GOOD, "echo": True, "logprobs": -1}, "logprobs"),
+    ({**GOOD, "prompt_logprobs": 1}, "prompt_logprobs"),  # not served as a field: echo with logprobs gives them
     ({**GOOD, "response_format": {"type": "json_schema"}}, "response_format"),
     ({**GOOD, "stop": [""]}, "stop"),
     ({**GOOD, "stop_token_ids": [10**7]}, "stop_token_ids"),

@@ -31,7 +31,7 @@ from ..outputs import RequestMetrics, RequestOutput
 from .prefix_cache import CacheStats
 from .runner import ModelRunner
 from .draw import host_to_device
-from .sampling import SampleLaunch, Sampler
+from .sampling import PromptLogprobsLaunch, SampleLaunch, Sampler
 from ..sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import SequenceStatus, fan_out
@@ -50,6 +50,7 @@ class _InFlight:
 
     plan: SchedulerOutput
     launch: SampleLaunch | None  # None when no row is sampled (prompt chunks only)
+    prompt_logprobs: PromptLogprobsLaunch | None = None  # None unless the plan has prompt_logprob_rows
 
 
 class LLMEngine(EngineLifecycle):
@@ -211,8 +212,9 @@ class LLMEngine(EngineLifecycle):
         Raises:
             ValueError: a ``request_id`` that is not a string or already in use, a ``SamplingParams`` field
                 out of range (``SamplingParams.validate``, run again here), ``n > max_num_seqs``,
-                ``logprobs > vocab_size``, ``stop_token_ids`` outside the vocabulary, ``stop`` strings without a
-                tokenizer, or a bad prompt (``validate_prompt``); nothing is queued or allocated then.
+                ``logprobs`` or ``prompt_logprobs`` over ``vocab_size``, ``stop_token_ids`` outside the vocabulary,
+                ``stop`` strings without a tokenizer, or a bad prompt (``validate_prompt``); nothing is queued or
+                allocated then.
             RuntimeError: the engine is closed, or the model's attention was switched away from ours.
         """
         self._check_usable()
@@ -305,12 +307,21 @@ class LLMEngine(EngineLifecycle):
         logits = self.runner.execute(plan, input_ids)
         seqs = self.scheduler.seqs
         sample_seqs = [seqs[seq_id] for seq_id in plan.sampled_seq_ids]
-        return _InFlight(plan, self.sampler.launch(logits, sample_seqs) if sample_seqs else None)
+        prompt_logprobs = None
+        if plan.prompt_logprob_rows:  # their rows come after the sampled ones
+            logits, prompt_logits = logits[: len(sample_seqs)], logits[len(sample_seqs) :]
+            ks = [seqs[rows.seq_id].sampling_params.prompt_logprobs for rows in plan.prompt_logprob_rows]
+            prompt_logprobs = self.sampler.launch_prompt_logprobs(prompt_logits, plan.prompt_logprob_rows, ks)
+        return _InFlight(plan, self.sampler.launch(logits, sample_seqs) if sample_seqs else None, prompt_logprobs)
 
     def _collect(self, current: _InFlight) -> list[RequestOutput]:
-        """Read ``current``'s sampled tokens (waiting for them only), apply them (``update_from_output``), end
-        the sequences that stop, and return the outputs of its requests that are still unfinished or just finished."""
-        output = ModelRunnerOutput({}, {}, {})
+        """Read ``current``'s sampled tokens and prompt logprobs (waiting for them only), apply them
+        (``update_from_output``), end the sequences that stop, and return the outputs of its requests that are still
+        unfinished or just finished."""
+        prompt_logprobs = {}
+        if current.prompt_logprobs is not None:
+            prompt_logprobs = self.sampler.collect_prompt_logprobs(current.prompt_logprobs)
+        output = ModelRunnerOutput({}, {}, {}, prompt_logprobs)
         if current.launch is not None:
             result = self.sampler.collect(current.launch)
             ids = current.plan.sampled_seq_ids
@@ -318,6 +329,7 @@ class LLMEngine(EngineLifecycle):
                 {seq_id: token for seq_id, token in zip(ids, result.token_ids) if token is not None},
                 {ids[i]: logprobs for i, logprobs in result.logprobs.items()},
                 {ids[i]: error for i, error in result.errors.items()},
+                prompt_logprobs,
             )
         updated = self.scheduler.update_from_output(current.plan, output)
         for seq, status in self.output_processor.check_stops(updated):

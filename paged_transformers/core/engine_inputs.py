@@ -79,7 +79,7 @@ def check_sampling_params(sampling_params, config: EngineConfig, vocab_size: int
     Raises:
         ValueError: not a ``SamplingParams``, a field out of range (``SamplingParams.validate``),
             ``n > max_num_seqs``, ``stop`` strings without a tokenizer, ``stop_token_ids`` outside the
-            vocabulary, ``logprobs > vocab_size``.
+            vocabulary, ``logprobs`` or ``prompt_logprobs`` over ``vocab_size``.
     """
     sampling_params = sampling_params if sampling_params is not None else SamplingParams()
     if not isinstance(sampling_params, SamplingParams):
@@ -93,8 +93,10 @@ def check_sampling_params(sampling_params, config: EngineConfig, vocab_size: int
     bad_stop = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
     if bad_stop:
         raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad_stop[:5]}")
-    if sampling_params.logprobs is not None and sampling_params.logprobs > vocab_size:
-        raise ValueError(f"logprobs={sampling_params.logprobs} exceeds the vocabulary size {vocab_size}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(sampling_params, name)
+        if k is not None and k > vocab_size:
+            raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab_size}")
     return sampling_params
 
 

@@ -99,6 +99,7 @@ class InputBatch:
         """Fill the device buffers for ``plan`` (applying its diffs first); with ``pad_to`` (a decode step),
         pad it to that many rows (token 0 at position 0, ``slot_mapping`` -1, ``seq_len`` 1). Token ids the
         plan does not know (a step planned ahead) are staged as 0: the caller copies the real ones in.
+        ``logits_indices`` gets the sampled rows, then the ``plan.num_prompt_logprob_rows`` prompt-logprob rows.
 
         Returns:
             ``(num_tokens, num_sampled, max_query_len, max_seq_len)`` of the (padded) step.
@@ -136,14 +137,25 @@ class InputBatch:
         sampled = np.fromiter([e.samples for e in entries], dtype=bool, count=S)
         num_sampled = int(sampled.sum())
         self.logits_indices_np[:num_sampled] = (qsl[1 : S + 1] - 1)[sampled]
-        self.fork_rows = self._fork_rows(plan, num_sampled) if plan.forked else None
+        num_prompt_rows = self._stage_prompt_logprob_rows(plan, num_sampled) if plan.prompt_logprob_rows else 0
+        self.fork_rows = self._fork_rows(plan, num_sampled, num_prompt_rows) if plan.forked else None
         rows, seqs_n = T, S
         if pad_to is not None and pad_to > S:
             assert T == S and num_sampled == S, "only decode steps are padded"
             self._pad(S, pad_to)
             rows = seqs_n = num_sampled = pad_to
-        self._copy_to_device(rows, seqs_n, num_sampled, S, width)
+        self._copy_to_device(rows, seqs_n, num_sampled + num_prompt_rows, S, width)
         return rows, num_sampled, int(counts.max()), int(seq_lens.max())
+
+    def _stage_prompt_logprob_rows(self, plan: SchedulerOutput, num_sampled: int) -> int:
+        """Stage the rows of ``plan.prompt_logprob_rows`` in ``logits_indices`` after the ``num_sampled`` sampled
+        rows (row of position p = the sequence's first row + p - its ``num_computed_tokens``); returns their number."""
+        first_rows = self.query_start_loc_np[: len(plan.seqs)].tolist()
+        offset = {e.seq_id: q - e.num_computed_tokens for e, q in zip(plan.seqs, first_rows)}
+        rows = np.concatenate([np.arange(len(r.token_ids)) + offset[r.seq_id] + r.first_position
+                               for r in plan.prompt_logprob_rows])  # fmt: skip
+        self.logits_indices_np[num_sampled : num_sampled + len(rows)] = rows
+        return len(rows)
 
     def _stage_block_tables(self, entries) -> int:
         """Gather the step's block tables, in batch order, into the compact staging ``[S, width]``; returns width."""
@@ -155,10 +167,12 @@ class InputBatch:
         return width
 
     @staticmethod
-    def _fork_rows(plan: SchedulerOutput, num_sampled: int) -> list[int]:
-        """The logits rows of the step, forks included: the sampled rows, then each fork's parent's row."""
+    def _fork_rows(plan: SchedulerOutput, num_sampled: int, num_prompt_rows: int) -> list[int]:
+        """The logits rows of the step, forks included: the sampled rows, then each fork's parent's row, then the
+        prompt-logprob rows."""
         row_of = {e.seq_id: i for i, e in enumerate(e for e in plan.seqs if e.samples)}
-        return list(range(num_sampled)) + [row_of[fork.parent_seq_id] for fork in plan.forked]
+        return (list(range(num_sampled)) + [row_of[fork.parent_seq_id] for fork in plan.forked]
+                + list(range(num_sampled, num_sampled + num_prompt_rows)))
 
     def _pad(self, S: int, pad_to: int) -> None:
         """Rows ``S .. pad_to - 1`` of a padded decode step: token 0 at position 0 that writes nothing
@@ -170,11 +184,11 @@ class InputBatch:
         self.query_start_loc_np[S + 1 : pad_to + 1] = np.arange(S + 1, pad_to + 1)
         self.logits_indices_np[S:pad_to] = np.arange(S, pad_to)
 
-    def _copy_to_device(self, rows: int, seqs_n: int, num_sampled: int, S: int, width: int) -> None:
+    def _copy_to_device(self, rows: int, seqs_n: int, num_logits: int, S: int, width: int) -> None:
         """One non-blocking host-to-device copy per field; on CUDA an event marks when the staging is free again."""
         for host, dev, n in ((self.input_ids_h, self.input_ids, rows), (self.positions_h, self.positions, rows),
                              (self.slot_mapping_h, self.slot_mapping, rows),
-                             (self.logits_indices_h, self.logits_indices, num_sampled),
+                             (self.logits_indices_h, self.logits_indices, num_logits),
                              (self.seq_lens_h, self.seq_lens, seqs_n), (self.query_start_loc_h, self.query_start_loc, seqs_n + 1)):
             dev[:n].copy_(host[:n], non_blocking=True)
         self.block_tables[:S, :width].copy_(self.block_tables_h[: S * width].view(S, width), non_blocking=True)

@@ -10,7 +10,7 @@ sequence's block table in its persistent batch (``input_batch.InputBatch``) and 
 (vLLM V1's ``SchedulerOutput`` / ``NewRequestData`` / ``CachedRequestData`` and ``ModelRunnerOutput``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockCopy
 
@@ -60,6 +60,23 @@ class ForkedSeq:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobRows:
+    """The rows of one sequence's prompt chunk whose logits score its next prompt tokens
+    (``SamplingParams.prompt_logprobs``): the logits at position ``p`` score prompt token ``p + 1``.
+
+    Attributes:
+        seq_id: the sequence (an entry of the plan's ``seqs``).
+        first_position: the first of the positions, in tokens of the sequence (``>= num_computed_tokens`` of its
+            entry); the positions run on, one per token of ``token_ids``.
+        token_ids: the prompt tokens scored, ``prompt[first_position + 1 : first_position + 1 + len(token_ids)]``.
+    """
+
+    seq_id: int
+    first_position: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One step's plan (``Scheduler.schedule``); the runner turns it into tensors.
 
@@ -71,6 +88,8 @@ class SchedulerOutput:
         block_copies: copy-on-write copies to make before the forward.
         preempted_seq_ids: sequences preempted while planning (their blocks are freed).
         finished_seq_ids: sequences that finished since the previous plan (their blocks are freed).
+        prompt_logprob_rows: the rows kept for prompt logprobs (``PromptLogprobRows``); their logits rows come
+            after the sampled and forked rows, in this order. Empty unless a request asked for them.
     """
 
     step_id: int
@@ -79,6 +98,7 @@ class SchedulerOutput:
     block_copies: tuple[BlockCopy, ...] = ()
     preempted_seq_ids: tuple[int, ...] = ()
     finished_seq_ids: tuple[int, ...] = ()
+    prompt_logprob_rows: tuple[PromptLogprobRows, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> tuple[int, ...]:
@@ -94,6 +114,11 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         """Tokens in the step; <= max_num_batched_tokens."""
         return sum(s.num_scheduled_tokens for s in self.seqs)
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        """Logits rows kept for prompt logprobs: ``sum(len(r.token_ids) for r in prompt_logprob_rows)``."""
+        return sum(len(r.token_ids) for r in self.prompt_logprob_rows)
 
     @property
     def sampled_seq_ids(self) -> list[int]:
@@ -114,8 +139,11 @@ class ModelRunnerOutput:
         logprobs: seq_id -> (logprob of the sampled token, {token_id: logprob} of it and the top-k), for
             the rows that asked for logprobs.
         errors: seq_id -> the exception that failed its row (a logits processor's, an undrawable row).
+        prompt_logprobs: seq_id -> ``{token_id: logprob}`` of each prompt token its ``PromptLogprobRows`` scored (the
+            token and the top-k), in order.
     """
 
     sampled_token_ids: dict[int, int]
     logprobs: dict[int, tuple[float, dict[int, float]]]
     errors: dict[int, BaseException]
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)

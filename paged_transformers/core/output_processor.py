@@ -227,8 +227,9 @@ class OutputProcessor:
                 list(logprobs) if logprobs is not None else None,
                 seq.status.finish_reason, seq.stop_reason, seq.error,
             ))
+        prompt_logprobs = seqs[0].prompt_logprobs  # the first sequence computes the prompt for all n
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             request.metrics)
+                             request.metrics, list(prompt_logprobs) if prompt_logprobs is not None else None)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` ('' without a tokenizer)."""

@@ -66,7 +66,8 @@ class ModelRunner:
                                          blocks are stale and ignored by the kernels)
         seq_lens       [num_seqs]        context length including this step's tokens
         query_start_loc [num_seqs + 1]   cumulative query rows
-        logits_indices [num_sampled]     the last row of each sequence that is sampled this step
+        logits_indices [num_sampled + num_prompt_logprob_rows]  the last row of each sequence that is sampled
+                                         this step, then the rows kept for prompt logprobs (``PromptLogprobRows``)
 
     The model's LM head runs only on ``logits_indices`` (``logits_to_keep``).
 
@@ -172,8 +173,10 @@ class ModelRunner:
         """
         return self.batch.prepare(out, pad_to)
 
-    def _forward(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int):
-        """The model forward on the first rows of the device buffers. Returns logits ``[1, num_sampled, vocab]``."""
+    def _forward(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int,
+                 num_prompt_rows: int = 0):
+        """The model forward on the first rows of the device buffers. Returns logits ``[1, num_sampled +
+        num_prompt_rows, vocab]``: the rows of ``logits_indices``."""
         block_tables, seq_lens = self.block_tables[:num_seqs], self.seq_lens[:num_seqs]
         query_start_loc = self.query_start_loc[: num_seqs + 1]
         make_plan = getattr(self.attend, "plan", None)  # a backend's per-step index tensors, shared by the layers
@@ -197,9 +200,9 @@ class ModelRunner:
                 position_ids=self.positions[:num_tokens].unsqueeze(0),
                 use_cache=False,
                 paged_metadata=metadata,
-                # every row sampled (a decode step): the indices are 0 .. num_tokens - 1, and the int 0 keeps every
-                # row as a slice, without the gather kernel of an index tensor
-                logits_to_keep=0 if num_sampled == num_tokens else self.logits_indices[:num_sampled],
+                # every row sampled (a decode step, so no prompt rows): the indices are 0 .. num_tokens - 1, and the
+                # int 0 keeps every row as a slice, without the gather kernel of an index tensor
+                logits_to_keep=0 if num_sampled == num_tokens else self.logits_indices[: num_sampled + num_prompt_rows],
             ).logits
 
     def _forward_scope(self) -> contextlib.AbstractContextManager:
@@ -305,8 +308,9 @@ class ModelRunner:
     # -- a step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step. Returns float32 logits ``[len(out.sampled_seq_ids), vocab_size]``: the sampled rows in
-        ``out.seqs`` order, then a copy of its parent's row for each of ``out.forked``.
+        """Run one step. Returns float32 logits ``[len(out.sampled_seq_ids) + out.num_prompt_logprob_rows,
+        vocab_size]``: the sampled rows in ``out.seqs`` order, then a copy of its parent's row for each of
+        ``out.forked``, then the rows of ``out.prompt_logprob_rows`` in order.
 
         Args:
             out: the step's plan.
@@ -333,9 +337,11 @@ class ModelRunner:
         if input_ids is not None:
             self.input_ids[:S].copy_(input_ids)
         if bucket is not None:
+            assert not out.prompt_logprob_rows, "a decode-only step has no prompt rows"
             logits = self.graphs.replay(bucket, S).float()
         else:
-            logits = self._forward(T, S, num_sampled, max_query_len, max_seq_len)[0].float()
+            num_prompt_rows = out.num_prompt_logprob_rows
+            logits = self._forward(T, S, num_sampled, max_query_len, max_seq_len, num_prompt_rows)[0].float()
         if self.batch.fork_rows is not None:  # n > 1 forks sample from copies of their parents' rows
             logits = logits[host_to_device(self.batch.fork_rows, torch.int64, logits.device)]
         if start is not None:

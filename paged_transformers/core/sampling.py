@@ -1,5 +1,8 @@
 """The sampler: per-request penalties and logits processors, then greedy or random sampling.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``) come from the raw logits of the prompt rows a step kept
+(``launch_prompt_logprobs`` / ``collect_prompt_logprobs``).
+
 Order (vLLM's): raw logits -> logprobs (if asked) -> penalties -> logits processors -> min_tokens
 mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample (``draw.py``).
 ``Sampler.launch`` enqueues a step's sampling on the device and ``Sampler.collect`` reads it back, so
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .draw import TOP_P_CANDIDATES, argmax, draw, host_to_device
+from .messages import PromptLogprobRows
 from .sequence import Sequence
 
 
@@ -49,6 +53,19 @@ class SampleLaunch:
     errors: dict[int, BaseException]  # row -> the exception that failed it (host-processed rows only)
     want_logprobs: list[int]  # rows that asked for logprobs, ascending
     ks: list[int]  # their SamplingParams.logprobs (top-k sizes), in the same order
+
+
+@dataclass(slots=True)
+class PromptLogprobsLaunch:
+    """A step's prompt logprobs enqueued on the device (``Sampler.launch_prompt_logprobs``); ``collect_prompt_logprobs``
+    reads them back. ``host`` holds CPU tensors filled by non-blocking copies until ``event`` has passed:
+    ``token_logprobs [num_rows]`` (of each scored prompt token), then, when a request wants a top-k,
+    ``top_ids, top_values [num_rows, max(ks)]``."""
+
+    rows: tuple[PromptLogprobRows, ...]
+    ks: list[int]  # per entry of rows, its SamplingParams.prompt_logprobs (top-k size)
+    host: list[torch.Tensor]
+    event: "torch.cuda.Event | None"  # recorded after the copies; None on CPU (the copies are done)
 
 
 class Sampler:
@@ -187,6 +204,48 @@ class Sampler:
                     top_logprobs.update(zip(top_ids[j][:k], top_values[j][:k]))
                 logprobs[i] = (logprob, top_logprobs)
         return SamplerOutput(token_list, errors, logprobs)
+
+    def launch_prompt_logprobs(self, logits: torch.Tensor, rows: tuple[PromptLogprobRows, ...],
+                               ks: list[int]) -> PromptLogprobsLaunch:
+        """Enqueue the prompt logprobs of ``rows`` and their copies to the host, without waiting for the device.
+
+        Args:
+            logits: ``[num_rows, >= vocab_size]`` float32 raw logits, the rows of ``rows`` in order
+                (``len(r.token_ids)`` each: ``ModelRunner.execute``'s rows after the sampled and forked ones).
+            rows: the step's ``SchedulerOutput.prompt_logprob_rows``.
+            ks: per entry of ``rows``, its ``SamplingParams.prompt_logprobs``.
+        """
+        logprobs = torch.log_softmax(logits[:, : self.vocab_size], dim=-1)  # [num_rows, vocab_size]
+        scored = host_to_device([t for r in rows for t in r.token_ids], torch.int64, logits.device)
+        host = [_to_host(logprobs.gather(1, scored.unsqueeze(1)).squeeze(1))]
+        if max(ks):
+            top = torch.topk(logprobs, max(ks), dim=-1)
+            host += [_to_host(top.indices), _to_host(top.values)]
+        event = None
+        if logits.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PromptLogprobsLaunch(rows, ks, host, event)
+
+    @staticmethod
+    def collect_prompt_logprobs(launch: PromptLogprobsLaunch) -> dict[int, list[dict[int, float]]]:
+        """Wait for ``launch``'s copies; returns seq_id -> per scored prompt token ``{token_id: logprob}`` (the token,
+        then the top-k), in order."""
+        if launch.event is not None:
+            launch.event.synchronize()
+        token_logprobs = launch.host[0].tolist()
+        top_ids, top_values = (launch.host[1].tolist(), launch.host[2].tolist()) if len(launch.host) > 1 else ((), ())
+        out, i = {}, 0
+        for rows, k in zip(launch.rows, launch.ks):
+            entries = []
+            for token_id in rows.token_ids:
+                entry = {token_id: token_logprobs[i]}
+                if k:
+                    entry.update(zip(top_ids[i][:k], top_values[i][:k]))
+                entries.append(entry)
+                i += 1
+            out[rows.seq_id] = entries
+        return out
 
     def _process_rows(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> dict[int, BaseException]:
         """Penalties and processors on ``rows`` of ``logits`` (in place), one row at a time. Returns row ->

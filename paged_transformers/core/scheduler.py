@@ -21,6 +21,18 @@ as ``num_output_placeholders``; ``update_from_output`` appends the sampled token
 (``schedule_ahead``, async scheduling). Stop checks are not the scheduler's: the output processor reads
 the new tokens and ends sequences with ``finish``.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``): the plan lists the rows of each prompt chunk whose logits
+score the next prompt token (``messages.PromptLogprobRows``), and ``update_from_output`` appends their logprobs.
+A sequence whose prompt logprobs are incomplete takes no prefix-cache hits (it needs every position's logits);
+its full blocks are still offered to the cache. With a prompt of 8 tokens in chunks of 4::
+
+    prompt tokens   t0  t1  t2  t3 | t4  t5  t6  t7
+    chunk 1 rows    p0  p1  p2  p3                    score t1 t2 t3 t4
+    chunk 2 rows                     p4  p5  p6  p7   score t5 t6 t7; p7 is sampled (the first output token)
+    prompt_logprobs [None, t1, ..., t7]: 8 entries
+
+A sequence preempted midway recomputes its prompt, and the positions already scored are not listed again.
+
 n > 1 sampling: a request's first sequence carries the other ``n - 1`` in ``pending_forks``
 (``sequence.fan_out``). The step that samples its first token forks them: they take its blocks by
 reference (copy-on-write on the first write into the shared last block) and sample their own first
@@ -31,7 +43,7 @@ from collections import deque
 
 from .block_manager import BlockCopy, BlockManager
 from ..config import EngineConfig
-from .messages import ForkedSeq, ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from .messages import ForkedSeq, ModelRunnerOutput, PromptLogprobRows, ScheduledSeq, SchedulerOutput
 from .prefix_cache import CacheStats, extend_block_hashes
 from .sampling import Sampler
 from .sequence import Sequence, SequenceStatus
@@ -151,7 +163,7 @@ class Scheduler:
         """The plan of ``entries``; advances each sequence by its tokens (a sampled one gets a placeholder)
         and forks the pending n > 1 sequences of the ones sampled for the first time."""
         tables = self.block_manager.block_tables
-        seqs, forked, copies = [], [], []
+        seqs, forked, copies, prompt_rows = [], [], [], []
         for seq, num_new, old_len, granted in entries:
             start = seq.num_computed_tokens
             table = tables[seq.seq_id]
@@ -159,6 +171,12 @@ class Scheduler:
             samples = start + num_new == seq.num_tokens + seq.num_output_placeholders
             seqs.append(ScheduledSeq(seq.seq_id, seq.request_id, start, num_new, tuple(seq.token_ids[start : start + num_new]),
                                      tuple(table if replace else table[old_len:]), replace, samples))
+            if seq.prompt_logprobs is not None:
+                # positions first .. end - 1 score prompt tokens first + 1 .. end; those scored before a preemption
+                # are skipped
+                first, end = max(start, len(seq.prompt_logprobs) - 1), min(start + num_new, seq.num_prompt_tokens - 1)
+                if end > first:
+                    prompt_rows.append(PromptLogprobRows(seq.seq_id, first, tuple(seq.token_ids[first + 1 : end + 1])))
             copies += granted
             seq.num_computed_tokens = start + num_new
             if samples:
@@ -171,7 +189,7 @@ class Scheduler:
             finished, self._finished_seq_ids = tuple(self._finished_seq_ids), []
         self._step_id += 1
         return SchedulerOutput(self._step_id, tuple(seqs), tuple(forked), tuple(copies),
-                               tuple(s.seq_id for s in preempted), finished)
+                               tuple(s.seq_id for s in preempted), finished, tuple(prompt_rows))
 
     def _fork(self, parent: Sequence) -> list[ForkedSeq]:
         """Start the n > 1 sequences of a parent whose first token this step samples: each takes its blocks
@@ -196,7 +214,7 @@ class Scheduler:
         """Grant a waiting sequence its blocks (prefix-cache hits first). Returns (num_new, copies), or
         None when it does not fit this step (then nothing changed)."""
         num_computed, hits = seq.num_computed_tokens, []
-        if self.config.enable_prefix_caching and num_computed == 0:
+        if self.config.enable_prefix_caching and num_computed == 0 and not seq.needs_prompt_logprobs:
             bm = self.block_manager
             hits = bm.find_cached_prefix(extend_block_hashes(seq.block_hashes, seq.token_ids, bm.block_size))
             num_computed = min(len(hits) * bm.block_size, seq.num_tokens - 1)
@@ -227,9 +245,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_from_output(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> list[Sequence]:
-        """Apply a step's results: cache the blocks that filled up, append each sampled token (and its
-        logprobs) in place of its placeholder, and end the rows that failed (``FINISHED_ABORTED``, with
-        the row's error). Sequences that finished meanwhile (aborted, stopped by an earlier step) are skipped.
+        """Apply a step's results: cache the blocks that filled up, append the prompt logprobs of its
+        ``prompt_logprob_rows``, append each sampled token (and its logprobs) in place of its placeholder, and end
+        the rows that failed (``FINISHED_ABORTED``, with the row's error). Sequences that finished meanwhile
+        (aborted, stopped by an earlier step) are skipped.
 
         Returns:
             The sequences of ``plan``'s sampled rows that were unfinished, in row order (the output
@@ -241,6 +260,11 @@ class Scheduler:
                 seq = seqs.get(entry.seq_id)
                 if seq is not None:
                     self._cache_blocks(seq)
+        for rows in plan.prompt_logprob_rows:
+            seq = seqs.get(rows.seq_id)
+            if seq is not None:
+                assert len(seq.prompt_logprobs) == rows.first_position + 1, (seq, len(seq.prompt_logprobs), rows)
+                seq.prompt_logprobs += output.prompt_logprobs[rows.seq_id]
         updated = []
         sampled, logprobs, errors = output.sampled_token_ids, output.logprobs, output.errors
         for seq_id in plan.sampled_seq_ids:

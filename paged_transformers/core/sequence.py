@@ -76,6 +76,10 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # prompt logprobs so far (``RequestOutput.prompt_logprobs``): [None, then one per scored prompt token]; only
+        # the request's first sequence computes the prompt, so only it has them
+        wants = sampling_params.prompt_logprobs is not None and index == 0
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if wants else None
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
         self.error: BaseException | None = None
@@ -98,6 +102,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are asked for and not complete: the prompt's logits are still needed, so the
+        sequence takes no prefix-cache hits."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

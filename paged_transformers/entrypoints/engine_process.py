@@ -135,14 +135,15 @@ _metrics_row = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestM
 def encode_message(message: tuple) -> tuple:
     """A ``StepLoop`` message as it crosses the pipe: outputs as plain tuples (``decode_message`` rebuilds them; a
     step of 256 outputs pickles in a quarter of the dataclasses' time) without their prompt's token ids (the front
-    has them), exceptions picklable."""
+    has them), exceptions picklable. ``prompt_logprobs`` go with every output of their request (a known cost: a
+    streamed request with them pickles its prompt's logprobs at each step)."""
     if message[0] == "outputs":
         rows = []
         for o in message[1]:
             completions = [_completion_row(c) if c.error is None else _completion_row(c)[:-1] + (_picklable(c.error),)
                            for c in o.outputs]  # fmt: skip
             metrics = None if o.metrics is None else _metrics_row(o.metrics)
-            rows.append((o.request_id, o.prompt, completions, o.finished, metrics))
+            rows.append((o.request_id, o.prompt, completions, o.finished, metrics, o.prompt_logprobs))
         return ("outputs", rows)
     if message[0] == "failed":
         return (message[0], message[1], _picklable(message[2]))
@@ -154,8 +155,9 @@ def decode_message(message: tuple) -> tuple:
     if message[0] != "outputs":
         return message
     return ("outputs", [RequestOutput(request_id, prompt, None, [CompletionOutput(*c) for c in completions], finished,
-                                      None if metrics is None else RequestMetrics(*metrics))
-                        for request_id, prompt, completions, finished, metrics in message[1]])  # fmt: skip
+                                      None if metrics is None else RequestMetrics(*metrics), prompt_logprobs)
+                        for request_id, prompt, completions, finished, metrics, prompt_logprobs
+                        in message[1]])  # fmt: skip
 
 
 def _picklable(error: BaseException) -> BaseException:

@@ -81,14 +81,17 @@ class SamplingFields(OpenAIBaseModel):
         if self.include_stop_str_in_output:
             bad.append("include_stop_str_in_output: not supported (stop strings are cut from the output)")
         if self.prompt_logprobs is not None:
-            bad.append("prompt_logprobs: logprobs of prompt tokens are not supported")
+            bad.append("prompt_logprobs: not served as a field (vLLM's per-token objects); on /v1/completions, "
+                       "echo=true with logprobs=k returns the prompt tokens' logprobs")
         if self.stream_options is not None and not self.stream:
             bad.append("stream_options: only allowed with stream=true")
         return bad
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``. ``echo=true`` puts the prompt before each choice's text (and, with ``logprobs``, its
+    tokens' logprobs before the completion's); with ``max_tokens=0`` it returns the prompt alone, as OpenAI and
+    vLLM do (``max_tokens=0`` without ``echo`` is a 400)."""
 
     prompt: Prompt
     max_tokens: int | None = 16
@@ -100,8 +103,6 @@ class CompletionRequest(SamplingFields):
         bad = super().unserved_fields()
         if self.suffix is not None:
             bad.append("suffix: insertion (fill in the middle) is not supported")
-        if self.echo and self.logprobs is not None:
-            bad.append("echo: echo with logprobs (logprobs of prompt tokens) is not supported")
         return bad
 
 

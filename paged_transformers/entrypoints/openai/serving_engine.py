@@ -81,6 +81,7 @@ class ChoiceDelta:
         token_ids: the new token ids.
         logprobs: per new token ``{token id: logprob}`` (the top-k and the sampled token), or None.
         finish_reason, stop_reason: set on the choice's last delta only.
+        prompt_logprobs: the request's ``RequestOutput.prompt_logprobs`` (complete in every delta), or None.
     """
 
     index: int
@@ -90,6 +91,7 @@ class ChoiceDelta:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: int | str | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class OpenAIServing:
@@ -129,10 +131,12 @@ class OpenAIServing:
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
     def sampling_params(self, request: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
-                        logprobs: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:  # fmt: skip
+                        logprobs: int | None, max_tokens_field: str = "max_tokens",
+                        prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         """The request's ``SamplingParams``: its fields over the server defaults. ``max_tokens`` None: up to
         ``max_model_len`` (vLLM's rule for chat); ``max_tokens_field``: the request field it came from, which errors
-        about it name (chat's ``max_completion_tokens``).
+        about it name (chat's ``max_completion_tokens``); ``prompt_logprobs``: ``SamplingParams.prompt_logprobs``
+        (completions' echo with logprobs).
 
         Raises:
             ServingError: 400 for a field out of range (named), or a prompt plus ``max_tokens`` over ``max_model_len``.
@@ -148,6 +152,7 @@ class OpenAIServing:
         fields["max_tokens"] = max_tokens if max_tokens is not None else max(room, 1)
         fields["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         fields["logprobs"] = logprobs
+        fields["prompt_logprobs"] = prompt_logprobs
         if request.logit_bias:
             fields["logits_processors"] = [self._logit_bias(request.logit_bias)]
         try:
@@ -227,7 +232,7 @@ class OpenAIServing:
                 sent[index] = -1 if comp.finished else len(comp.token_ids)
                 logprobs = comp.logprobs[start : start + len(new_ids)] if comp.logprobs is not None else None
                 yield ChoiceDelta(index, i, text, new_ids, logprobs, comp.finish_reason,
-                                  comp.stop_reason if comp.finished else None)  # fmt: skip
+                                  comp.stop_reason if comp.finished else None, output.prompt_logprobs)  # fmt: skip
 
     async def run_to_end(self, requests: list[tuple[list[int], SamplingParams]], log_id: str, raw_request) -> list[RequestOutput]:
         """The final ``RequestOutput`` of each request, in order (a disconnect aborts them all).
