@@ -195,3 +195,33 @@ def test_over_the_vocabulary_is_refused_before_any_state_changes(model):
         (full,) = run(engine, [PROMPTS[1]], [SamplingParams(max_tokens=1, prompt_logprobs=VOCAB_SIZE)])
         assert_pool_whole(engine)
     assert all(len(entry) == VOCAB_SIZE for entry in full.prompt_logprobs[1:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's CUDA path: compiled layers, decode graphs, Triton")
+def test_cuda_engine_with_graphs_equals_stock(model):
+    """The default engine on CUDA (compiled layers, CUDA graphs, Triton attention; fp32 model): chunked prompts wanting
+    prompt logprobs mixed with plain decodes give stock's log-softmax at every position (TF32-level tolerance), and
+    the plain requests' greedy tokens equal those of a run where nobody wants any."""
+    import copy
+
+    gpu = copy.deepcopy(model).cuda()
+    with torch.inference_mode():
+        ref = {tuple(p): torch.log_softmax(gpu(torch.tensor([p], device="cuda")).logits[0].float(), -1).cpu()
+               for p in PROMPTS}  # fmt: skip
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    wanting = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, ignore_eos=True)
+    config = EngineConfig(block_size=16, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8)
+    with LLMEngine(gpu, engine_config=config) as engine:
+        assert engine.runner.graphs is not None and engine.runner.compiled, "not the CUDA path of record"
+        outs = run(engine, PROMPTS, [wanting if i % 2 else plain for i in range(len(PROMPTS))])
+        alone = run(engine, PROMPTS, [plain] * len(PROMPTS))
+        assert_pool_whole(engine)
+    for i, (out, ref_out, prompt) in enumerate(zip(outs, alone, PROMPTS)):
+        assert out.outputs[0].token_ids == ref_out.outputs[0].token_ids, f"prompt {i}"
+        if i % 2 == 0:
+            assert out.prompt_logprobs is None
+            continue
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for j in range(1, len(prompt)):
+            row = ref[tuple(prompt)][j - 1]
+            assert out.prompt_logprobs[j][prompt[j]] == pytest.approx(row[prompt[j]].item(), abs=2e-2), f"{i}, {j}"
