@@ -281,3 +281,17 @@ def test_cli_generate_goes_through_llm(smollm2, monkeypatch, capsys):
     assert llm.engine_config.max_model_len == 512
     rendered = smollm2[1].apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     assert f"--- [0] {rendered!r}" in capsys.readouterr().out
+
+
+def test_server_options_reach_the_engine(smollm2):
+    """The server's vLLM options, parsed as ``serve`` parses them, give the ``LLM`` they name: the KV pool of
+    ``--num-gpu-blocks-override``, the ``--max-context-length`` alias of ``--max-model-len``."""
+    pytest.importorskip("fastapi")
+    from paged_transformers.entrypoints.openai.cli_args import llm_arguments, make_arg_parser
+
+    args = make_arg_parser().parse_args(["--model", str(default_model_path()), "--num-gpu-blocks-override", "40",
+                                         "--max-context-length", "256", "--max-num-seqs", "4", "--device", "cpu"])
+    with LLM(str(default_model_path()), **llm_arguments(args)) as llm:
+        engine = llm.llm_engine
+        assert engine.stats().num_blocks == 40
+        assert engine.config.max_model_len == 256 and engine.config.max_num_seqs == 4

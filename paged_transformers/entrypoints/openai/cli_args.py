@@ -41,6 +41,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, model_positional: bool
                         help="longest prompt + output, tokens; default: the model's max_position_embeddings")
     parser.add_argument("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
                         help="share of the GPU memory for weights, activations and the KV cache")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="exact number of KV blocks in the pool, instead of sizing it by --gpu-memory-utilization")
     parser.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs, help="most sequences in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
                         help="most tokens in one step")
@@ -70,7 +72,8 @@ def llm_arguments(args) -> dict:
     return dict(
         tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code, dtype=args.dtype,
         quantization=args.quantization, max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, device=args.device,
