@@ -2,17 +2,22 @@
 
 1. a random-weight checkpoint of a model shape (``bench.MODEL_SHAPES``, bf16) with a word-level tokenizer that has a
    token for every id of the vocabulary (so any generated id decodes), saved to ``--checkpoint``;
-2. the server (``python -m paged_transformers.entrypoints.openai.api_server``) on it in a subprocess; ``bench serve``
-   against it at saturation (rate inf), then at half the saturation request rate;
-3. the server stopped (SIGTERM), then the same workloads through the offline ``LLM`` on the same checkpoint.
+2. the server (``python -m paged_transformers.entrypoints.openai.api_server``) on it in a subprocess, and the offline
+   ``LLM`` on the same checkpoint in this process, both alive to the end, each with a KV pool of ``--num-gpu-blocks``
+   (the same for both, and both fit in one H200 for Llama-3-8B); only one of them runs at a time;
+3. a warm-up run of each (seed 0), then the timed saturation runs in ABBA order: ``bench serve`` at rate inf on the
+   prompts of seed 1, the offline engine on the same prompts, the offline engine on those of seed 3, the server on
+   those of seed 3; the ratio of record is the server's mean over the offline engine's mean. Alternating the two on a
+   machine whose speed drifts (the offline engine has run the same workload at 3,965-12,376 tok/s on different
+   calls, and at +-10% between runs) leaves the ratio to the two sides rather than to the order;
+4. the server at half its mean saturation request rate (seed 2), then SIGTERM.
 
-Each side runs a warm-up workload (seed 0) before its timed run (the first steps of each decode bucket capture its
-CUDA graph offline; the server captures them all at start-up, but its first run is reported too). The timed runs of
-both sides use the prompts of seed 1, the half-rate run those of seed 2: prompts no earlier run sent, so no timed run
-starts on a prefix cache that holds its prompts.
+Each side's warm-up pays its one-time costs (offline, the first step of each decode bucket captures its CUDA graph;
+the server captures them all at start-up). Every run has prompts of its own, so none starts on a prefix cache that
+holds its prompts.
 
-    python benchmarks/gpu_serve.py --out $OUT          # GPU; ~5 min for llama-3-8b
-    python benchmarks/gpu_serve.py --shape tiny-llama --device cpu --out out      # the script itself, on CPU
+    python benchmarks/gpu_serve.py --out $OUT          # GPU; ~6 min for llama-3-8b
+    python benchmarks/gpu_serve.py --shape tiny-llama --device cpu --num-requests 64 --out out   # the script, on CPU
 """
 
 import argparse
@@ -28,7 +33,8 @@ import urllib.request
 
 
 
-WARM_UP_SEED, TIMED_SEED, HALF_RATE_SEED = 0, 1, 2
+WARM_UP_SEED, HALF_RATE_SEED = 0, 2
+TIMED_SEEDS = (1, 3)  # the prompts of the two timed saturation runs of each side (ABBA: server, offline, offline, server)
 INPUT_LEN_RANGE, OUTPUT_LEN_RANGE = (64, 512), (16, 128)  # tokens, uniform, both ends included
 
 
@@ -129,31 +135,6 @@ def count_steps(engine):
     return counter
 
 
-def offline(path: str, max_model_len: int, num_requests: int, vocab_size: int) -> dict:
-    """The workload through the offline ``LLM``: a first run on the warm-up prompts (every decode bucket's first step
-    captures its CUDA graph), then the timed one on the timed prompts; with what each compiled (``compile_counts``
-    before and after)."""
-    from paged_transformers import LLM
-    from paged_transformers.bench.serve import _offline
-    from paged_transformers.bench.workload import synthetic_workload
-
-    llm = LLM(path, max_model_len=max_model_len)
-    warm_up, timed = (synthetic_workload(num_requests, INPUT_LEN_RANGE, OUTPUT_LEN_RANGE, vocab_size, seed)
-                      for seed in (WARM_UP_SEED, TIMED_SEED))
-    steps = count_steps(llm.llm_engine)
-    counts = [compile_counts()]
-    first = {**_offline(llm, warm_up), **steps.take()}
-    counts.append(compile_counts())
-    result = {**_offline(llm, timed), **steps.take()}
-    counts.append(compile_counts())
-    llm.close()
-    compiled = {"first_run": new_kernels(counts[0], counts[1]), "second_run": new_kernels(counts[1], counts[2])}
-    for c in counts:
-        del c["entries"]
-    return {**result, "first_run": first, "compile_counts_before_first_after_first_after_second": counts,
-            "kernel_variants_compiled": compiled}
-
-
 def profile(pid: int, out_path: str, duration_s: int = 20) -> subprocess.Popen | None:
     """py-spy (``--profile``), None when it is not on the PATH: ``duration_s`` seconds of the server and its engine
     process (``--subprocesses``; idle samples kept, so busy shares can be read off), as collapsed stacks to
@@ -165,41 +146,61 @@ def profile(pid: int, out_path: str, duration_s: int = 20) -> subprocess.Popen |
                             stdout=subprocess.DEVNULL, stderr=open(out_path + ".err", "w"))
 
 
-def server_command(checkpoint: str, port: int, max_model_len: int) -> list[str]:
+def server_command(checkpoint: str, port: int, max_model_len: int, num_gpu_blocks: int) -> list[str]:
     """The server's command line (vLLM's module path)."""
     return [sys.executable, "-m", "paged_transformers.entrypoints.openai.api_server", "--model", checkpoint, "--port",
-            str(port), "--served-model-name", "ck", "--max-model-len", str(max_model_len), "--disable-log-requests",
-            "--uvicorn-log-level", "warning"]
+            str(port), "--served-model-name", "ck", "--max-model-len", str(max_model_len), "--num-gpu-blocks-override",
+            str(num_gpu_blocks), "--disable-log-requests", "--uvicorn-log-level", "warning"]
 
 
-def serve_runs(args, vocab_size: int) -> dict:
-    """The server: start-up, a first saturation run (the warm-up prompts), the timed saturation run, the half-rate run
-    (each on prompts of its own), then SIGTERM."""
+def interleaved_runs(args, vocab_size: int) -> dict:
+    """The server and the offline ``LLM``, both alive: warm-ups, the ABBA timed saturation runs, the server's half-rate
+    run (the module docstring), then SIGTERM; with what the offline side compiled in each of its runs."""
+    from paged_transformers import LLM
+    from paged_transformers.bench.serve import _offline
+    from paged_transformers.bench.workload import synthetic_workload
+
     url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen(server_command(args.checkpoint, args.port, args.max_model_len),
-                              stdout=open(os.path.join(args.out, "server.log"), "w"), stderr=subprocess.STDOUT)
-    report = {}
+    server_proc = subprocess.Popen(server_command(args.checkpoint, args.port, args.max_model_len, args.num_gpu_blocks),
+                                   stdout=open(os.path.join(args.out, "server.log"), "w"), stderr=subprocess.STDOUT)
+    server, offline, llm = {}, {"runs": {}}, None
 
-    def workload(seed: int) -> list[str]:
-        return workload_args(args.num_requests, vocab_size, seed)
+    def serve(name: str, seed: int, rate: str = "inf") -> None:
+        server[name] = bench_serve(url, rate, workload_args(args.num_requests, vocab_size, seed),
+                                   os.path.join(args.out, f"serve_{name}.json"))
+
+    def run_offline(name: str, seed: int) -> None:
+        requests = synthetic_workload(args.num_requests, INPUT_LEN_RANGE, OUTPUT_LEN_RANGE, vocab_size, seed)
+        before = compile_counts()
+        offline["runs"][name] = {**_offline(llm, requests), **steps.take(),
+                                 "kernel_variants_compiled": new_kernels(before, compile_counts())}
 
     try:
-        report["server_start_s"] = wait_healthy(url, server, 300)
-        report["saturation_first"] = bench_serve(url, "inf", workload(WARM_UP_SEED),
-                                                 os.path.join(args.out, "serve_inf_first.json"))
-        profiler = profile(server.pid, os.path.join(args.out, "pyspy_saturation.txt")) if args.profile else None
-        report["saturation"] = bench_serve(url, "inf", workload(TIMED_SEED), os.path.join(args.out, "serve_inf.json"))
+        server["server_start_s"] = wait_healthy(url, server_proc, 300)
+        t0 = time.perf_counter()
+        llm = LLM(args.checkpoint, max_model_len=args.max_model_len, num_gpu_blocks=args.num_gpu_blocks,
+                  device=args.device)
+        offline["start_s"] = time.perf_counter() - t0
+        steps = count_steps(llm.llm_engine)
+        serve("warm_up", WARM_UP_SEED)
+        run_offline("warm_up", WARM_UP_SEED)
+        profiler = profile(server_proc.pid, os.path.join(args.out, "pyspy_saturation.txt")) if args.profile else None
+        serve("timed_1", TIMED_SEEDS[0])
         if profiler is not None:
-            report["profile_exit_code"] = profiler.wait(timeout=60)
-        rate = f"{report['saturation']['request_throughput'] / 2:.2f}"
-        report["half_rate"] = bench_serve(url, rate, workload(HALF_RATE_SEED),
-                                          os.path.join(args.out, "serve_half.json"))
+            server["profile_exit_code"] = profiler.wait(timeout=60)
+        run_offline("timed_1", TIMED_SEEDS[0])
+        run_offline("timed_2", TIMED_SEEDS[1])
+        serve("timed_2", TIMED_SEEDS[1])
+        rate = sum(server[f"timed_{i}"]["request_throughput"] for i in (1, 2)) / 4  # half the mean
+        serve("half_rate", HALF_RATE_SEED, f"{rate:.2f}")
     finally:
-        server.send_signal(signal.SIGTERM)
-        report["server_exit_code"] = server.wait(timeout=60)
+        server_proc.send_signal(signal.SIGTERM)
+        server["server_exit_code"] = server_proc.wait(timeout=60)
+        if llm is not None:
+            llm.close()
     with open(os.path.join(args.out, "server.log")) as f:  # the stepping loop's line per busy period
-        report["busy_periods"] = [line.split("busy for ", 1)[1].strip() for line in f if "busy for " in line]
-    return report
+        server["busy_periods"] = [line.split("busy for ", 1)[1].strip() for line in f if "busy for " in line]
+    return {"server": server, "offline": offline}
 
 
 def main() -> None:
@@ -207,11 +208,12 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--checkpoint", default=None, help="folder to save the checkpoint in; default: a new temporary one")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--num-gpu-blocks", type=int, default=16384, help="KV blocks of each side (block size 16; "
+                    "Llama-3-8B: 16384 are 34 GB, so both sides' weights and pools fit in one H200)")
     ap.add_argument("--port", type=int, default=8011)
-    ap.add_argument("--num-requests", type=int, default=1024, help="requests of each run (the runs of record of "
-                    "2026-12-02 used 256: two-second saturation runs, where the ramp weighs)")
+    ap.add_argument("--num-requests", type=int, default=1024, help="requests of each run")
     ap.add_argument("--out", default=".")
-    ap.add_argument("--profile", action="store_true", help="py-spy the server during the timed saturation run (py-spy on "
+    ap.add_argument("--profile", action="store_true", help="py-spy the server during its first timed run (py-spy on "
                     "the PATH). Off by default: with it the timed run came to 0.60-0.79 of offline, without 0.91 (H200, "
                     "2026-12-02)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu with --shape tiny-llama to try the script")
@@ -219,34 +221,30 @@ def main() -> None:
     args.checkpoint = args.checkpoint or tempfile.mkdtemp(prefix="pt_serve_ck_")
     t0 = time.perf_counter()
     vocab_size = min(20000, make_checkpoint(args.shape, args.checkpoint, args.device))
-    report = {"checkpoint_s": time.perf_counter() - t0,
-              "workload": workload_args(args.num_requests, vocab_size, TIMED_SEED)}
     os.makedirs(args.out, exist_ok=True)
-    report["server"] = server = serve_runs(args, vocab_size)
-    report["offline"] = offline(args.checkpoint, args.max_model_len, args.num_requests, vocab_size)
-    offline_tok_s = report["offline"]["output_throughput"]
-    server["saturation_over_offline"] = server["saturation"]["output_throughput"] / offline_tok_s
+    report = {"checkpoint_s": time.perf_counter() - t0, "num_gpu_blocks": args.num_gpu_blocks,
+              "workloads": {seed: workload_args(args.num_requests, vocab_size, seed) for seed in TIMED_SEEDS},
+              **interleaved_runs(args, vocab_size)}
+    server, offline = report["server"], report["offline"]["runs"]
+    timed = [(server[f"timed_{i}"]["output_throughput"], offline[f"timed_{i}"]["output_throughput"]) for i in (1, 2)]
+    report["saturation_over_offline"] = sum(a for a, _ in timed) / sum(b for _, b in timed)  # mean over mean
+    report["saturation_over_offline_per_seed"] = [a / b for a, b in timed]
     with open(os.path.join(args.out, "gpu_serve.json"), "w") as f:
         json.dump(report, f, indent=2)
     ms = 1e3
-    print(f"{'':28}{'out tok/s':>10}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'TPOT p50 ms':>13}{'x offline':>10}")
-    for name in ("saturation_first", "saturation", "half_rate"):
+    print(f"{'run (in order)':<26}{'out tok/s':>10}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'TPOT p50 ms':>13}{'steps':>7}")
+    for name in ("warm_up", "timed_1", "timed_2", "half_rate"):
         r = server[name]
-        print(f"{'server ' + name:<28}{r['output_throughput']:10.0f}{r['request_throughput']:8.1f}"
-              f"{r['ttft_s']['p50'] * ms:9.0f}/{r['ttft_s']['p99'] * ms:<8.0f}{r['tpot_s']['p50'] * ms:13.1f}"
-              f"{r['output_throughput'] / offline_tok_s:10.3f}")
+        print(f"{'server ' + name:<26}{r['output_throughput']:10.0f}{r['request_throughput']:8.1f}"
+              f"{r['ttft_s']['p50'] * ms:9.0f}/{r['ttft_s']['p99'] * ms:<8.0f}{r['tpot_s']['p50'] * ms:13.1f}")
+    for name, r in offline.items():
+        print(f"{'offline ' + name:<26}{r['output_throughput']:10.0f}{'':39}{r['steps']:7d}"
+              f"  compiled: {r['kernel_variants_compiled'] or 'nothing'}")
+    print("server busy periods (its engine process's log):\n  " + "\n  ".join(server["busy_periods"]))
     print(f"server exit code after SIGTERM: {server['server_exit_code']}")
-    print("server busy periods (the engine process log; a run and its warm-up request are one when no idle wait parted them):\n  " + "\n  ".join(server["busy_periods"]))
-    print(f"{'offline LLM (first run)':<28}{report['offline']['first_run']['output_throughput']:10.0f}")
-    print(f"{'offline LLM':<28}{offline_tok_s:10.0f}  (target: server at saturation >= 0.90 of it)")
-    o = report["offline"]
-    print(f"offline steps: first run {o['first_run']['steps']} in {o['first_run']['stepping_s']:.2f} s, timed run "
-          f"{o['steps']} in {o['stepping_s']:.2f} s (the server's: its busy periods above)")
-    counts = report["offline"]["compile_counts_before_first_after_first_after_second"]
-    print("offline Dynamo frames / Triton cache entries, before / after the first run / after the second: "
-          + " -> ".join(f"{c['dynamo_frames_compiled']}/{c['triton_cache_entries']}" for c in counts))
-    for run, kernels in report["offline"]["kernel_variants_compiled"].items():
-        print(f"kernel variants compiled in the offline {run}: {kernels}")
+    print("server / offline at saturation, per seed (ABBA): "
+          + ", ".join(f"{x:.3f}" for x in report["saturation_over_offline_per_seed"])
+          + f"; mean over mean: {report['saturation_over_offline']:.3f} (target >= 0.90)")
 
 
 if __name__ == "__main__":
