@@ -154,6 +154,17 @@ def test_logprobs_are_the_models_log_softmax(client, smollm2):
     assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
+def test_top_logprobs_hold_the_sampled_token_as_in_vllm(client):
+    """Sampled (temperature 1.5), a token outside the top k is still in its position's ``top_logprobs`` (vLLM's
+    "up to logprobs + 1" entries), with its ``token_logprobs`` value; ``logprobs=0`` gives the token alone."""
+    for k in (0, 1):
+        lp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.5, seed=1,
+                                       logprobs=k, extra_body={"ignore_eos": True}).choices[0].logprobs  # fmt: skip
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == pytest.approx(value) and k <= len(top) <= k + 1
+        assert k == 0 or any(len(top) == k + 1 for top in lp.top_logprobs), "no sampled token outside the top 1"
+
+
 def test_streamed_logprobs_offsets_run_on(http):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1}
     whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
@@ -191,8 +202,9 @@ def test_echo_with_logprobs_gives_the_prompts_then_the_completions(client, smoll
         entry = offline.prompt_logprobs[i]
         assert lp.token_logprobs[i] == pytest.approx(entry[ids[i]], abs=1e-4)
         assert lp.token_logprobs[i] == pytest.approx(stock[i - 1, ids[i]].item(), abs=1e-4)
-        top = sorted(entry.items(), key=lambda item: -item[1])[:2]
+        top = sorted(entry.items(), key=lambda item: -item[1])  # the top 2 and the prompt token (vLLM: up to k + 1)
         assert list(lp.top_logprobs[i]) == [tokenizer.decode([t]) for t, _ in top]
+        assert tokenizer.decode([ids[i]]) in lp.top_logprobs[i] and len(lp.top_logprobs[i]) in (2, 3)
         assert list(lp.top_logprobs[i].values()) == pytest.approx([v for _, v in top], abs=1e-4)
     completion = offline.outputs[0]
     want = [e[t] for t, e in zip(completion.token_ids, completion.logprobs)]

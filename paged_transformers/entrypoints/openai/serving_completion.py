@@ -121,6 +121,8 @@ class OpenAIServingCompletion(OpenAIServing):
             "text_offset": offsets,
             "token_logprobs": [None if lp is None else clamp_logprob(lp[t]) for t, lp in zip(token_ids, logprobs)],
             "tokens": tokens,
-            "top_logprobs": [None if lp is None else {self.token_text(t): v for t, v in top_logprobs(lp, k)}
+            # the top k and the position's own token, k + 1 entries when it is not among them (vLLM's "up to
+            # logprobs + 1")
+            "top_logprobs": [None if lp is None else {self.token_text(t): v for t, v in top_logprobs(lp, k + 1)}
                              for lp in logprobs],
         }  # fmt: skip
