@@ -327,6 +327,24 @@ def test_metrics_count_every_request_and_return_to_idle(client, http):
     assert metric(after, "vllm:prefix_cache_hits_total") > 0  # the same prompt three times
 
 
+def test_token_counters_go_up_while_a_request_runs(http, smollm2):
+    """As vLLM's per-step counting: mid-stream, the prompt and the tokens streamed so far are counted already."""
+    _, tokenizer = smollm2
+    before = wait_idle(http)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        events = 0
+        while events < 20:
+            events += next(lines).startswith("data: ")
+        during = http.get("/metrics").text
+    assert metric(during, "vllm:num_requests_running") == 1
+    assert metric(during, "vllm:prompt_tokens_total") - metric(before, "vllm:prompt_tokens_total") == len(
+        tokenizer(PROMPT).input_ids)
+    assert 20 <= metric(during, "vllm:generation_tokens_total") - metric(before, "vllm:generation_tokens_total") < 200
+    wait_idle(http)
+
+
 def test_logit_bias_reaches_the_engine_process(client, smollm2):
     # +100 on one token outweighs every logit: greedy decoding then makes only that token (the bias is a logits
     # processor that crosses to the engine process)

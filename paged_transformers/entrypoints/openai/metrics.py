@@ -86,7 +86,7 @@ class ServerMetrics:
                                     _LATENCY_BUCKETS)  # fmt: skip
 
     def record_tokens(self, num_prompt_tokens: int, num_generated_tokens: int) -> None:
-        """Count tokens of a request that is gone: finished or aborted (its tokens were computed either way)."""
+        """Count a request's tokens as its outputs come: its prompt with the first output, then the new tokens of each."""
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated_tokens)
 

@@ -188,20 +188,20 @@ class OpenAIServing:
             raise error from e
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, log_id: str) -> AsyncIterator[RequestOutput]:
-        """The request's outputs from the engine, recorded in the metrics when it ends (finished or aborted)."""
+        """The request's outputs from the engine. The token counters go up as outputs come (the prompt's with the
+        first, as vLLM counts them per step); the latency histograms are observed when it finishes."""
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %s", log_id, len(prompt_token_ids), params)
-        arrival, first, last = time.perf_counter(), None, None
+        arrival, first, last, counted = time.perf_counter(), None, None, 0
         try:
             async with contextlib.aclosing(self.front.generate(prompt_token_ids, params)) as outputs:
                 async for output in outputs:
-                    first = first or time.perf_counter()
-                    last = output
+                    generated = sum(len(c.token_ids) for c in output.outputs)
+                    self.metrics.record_tokens(0 if first else len(prompt_token_ids), generated - counted)
+                    first, last, counted = first or time.perf_counter(), output, generated
                     yield output
             self.metrics.record_finished(last, arrival, first, time.perf_counter())
         finally:
-            if last is not None:
-                self.metrics.record_tokens(len(prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))
             if self.log_requests and (last is None or not last.finished):
                 logger.info("request %s aborted (its client disconnected, or the server is stopping)", log_id)
 
