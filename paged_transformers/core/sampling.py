@@ -166,16 +166,8 @@ class Sampler:
         if want_logprobs:
             # the logprob of each sampled token and the top-k, batched over the rows that want them
             index = host_to_device(want_logprobs, torch.int64, device)
-            row_logprobs = raw_logprobs[index]  # [num_want, vocab_size]
-            host.append(_to_host(row_logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)))
-            if max(ks):
-                top = torch.topk(row_logprobs, max(ks), dim=-1)
-                host += [_to_host(top.indices), _to_host(top.values)]
-        event = None
-        if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return SampleLaunch(token_ids, host, event, errors, want_logprobs, ks)
+            host += _launch_token_logprobs(raw_logprobs[index], token_ids[index], max(ks))
+        return SampleLaunch(token_ids, host, _copies_done(device), errors, want_logprobs, ks)
 
     def collect(self, launch: "SampleLaunch") -> "SamplerOutput":
         """The host part of ``sample_tokens``: wait for ``launch``'s copies (its event only: work enqueued
@@ -193,16 +185,10 @@ class Sampler:
             token_list[i] = None
         logprobs = {}
         if launch.want_logprobs:
-            token_logprobs = launch.host[1].tolist()
-            top_ids, top_values = (launch.host[2].tolist(), launch.host[3].tolist()) if len(launch.host) > 2 else ((), ())
+            token_logprobs, entry = _read_token_logprobs(launch.host[1:])
             for j, (i, k) in enumerate(zip(launch.want_logprobs, launch.ks)):
-                if i in errors:
-                    continue
-                logprob = token_logprobs[j]
-                top_logprobs = {token_list[i]: logprob}
-                if k:
-                    top_logprobs.update(zip(top_ids[j][:k], top_values[j][:k]))
-                logprobs[i] = (logprob, top_logprobs)
+                if i not in errors:
+                    logprobs[i] = (token_logprobs[j], entry(j, token_list[i], k))
         return SamplerOutput(token_list, errors, logprobs)
 
     def launch_prompt_logprobs(self, logits: torch.Tensor, rows: tuple[PromptLogprobRows, ...],
@@ -217,15 +203,8 @@ class Sampler:
         """
         logprobs = torch.log_softmax(logits[:, : self.vocab_size], dim=-1)  # [num_rows, vocab_size]
         scored = host_to_device([t for r in rows for t in r.token_ids], torch.int64, logits.device)
-        host = [_to_host(logprobs.gather(1, scored.unsqueeze(1)).squeeze(1))]
-        if max(ks):
-            top = torch.topk(logprobs, max(ks), dim=-1)
-            host += [_to_host(top.indices), _to_host(top.values)]
-        event = None
-        if logits.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return PromptLogprobsLaunch(rows, ks, host, event)
+        host = _launch_token_logprobs(logprobs, scored, max(ks))
+        return PromptLogprobsLaunch(rows, ks, host, _copies_done(logits.device))
 
     @staticmethod
     def collect_prompt_logprobs(launch: PromptLogprobsLaunch) -> dict[int, list[dict[int, float]]]:
@@ -233,18 +212,11 @@ class Sampler:
         then the top-k), in order."""
         if launch.event is not None:
             launch.event.synchronize()
-        token_logprobs = launch.host[0].tolist()
-        top_ids, top_values = (launch.host[1].tolist(), launch.host[2].tolist()) if len(launch.host) > 1 else ((), ())
+        _, entry = _read_token_logprobs(launch.host)
         out, i = {}, 0
         for rows, k in zip(launch.rows, launch.ks):
-            entries = []
-            for token_id in rows.token_ids:
-                entry = {token_id: token_logprobs[i]}
-                if k:
-                    entry.update(zip(top_ids[i][:k], top_values[i][:k]))
-                entries.append(entry)
-                i += 1
-            out[rows.seq_id] = entries
+            out[rows.seq_id] = [entry(i + j, token_id, k) for j, token_id in enumerate(rows.token_ids)]
+            i += len(rows.token_ids)
         return out
 
     def _process_rows(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> dict[int, BaseException]:
@@ -317,6 +289,41 @@ UNDRAWABLE = (
     "probabilities are undefined (stock generate() raises 'probability tensor contains either inf, nan or element < 0'"
     " here); mask tokens with -inf rather than forcing one with +inf, or decode greedily (temperature=0)"
 )
+
+
+def _launch_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Start copying to the host (``_to_host``) the logprob of ``token_ids[i]`` in row ``i`` of ``logprobs``
+    ``[num_rows, vocab_size]`` (float32; token_ids ``[num_rows]`` int64), then, when ``k`` > 0, the top-``k`` ids
+    and values ``[num_rows, k]``: what ``_read_token_logprobs`` reads."""
+    host = [_to_host(logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1))]
+    if k:
+        top = torch.topk(logprobs, k, dim=-1)
+        host += [_to_host(top.indices), _to_host(top.values)]
+    return host
+
+
+def _read_token_logprobs(host: list[torch.Tensor]):
+    """The copies of ``_launch_token_logprobs`` (done): the token logprobs as a list, and ``entry(row, token_id, k)``,
+    that row's ``{token_id: its logprob}`` followed by its first ``k`` top entries."""
+    token_logprobs = host[0].tolist()
+    top_ids, top_values = (host[1].tolist(), host[2].tolist()) if len(host) > 1 else ((), ())
+
+    def entry(row: int, token_id: int, k: int) -> dict[int, float]:
+        logprobs = {token_id: token_logprobs[row]}
+        if k:
+            logprobs.update(zip(top_ids[row][:k], top_values[row][:k]))
+        return logprobs
+
+    return token_logprobs, entry
+
+
+def _copies_done(device: torch.device) -> "torch.cuda.Event | None":
+    """An event recorded after the copies enqueued on ``device`` (CUDA); None on CPU, where they are done."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

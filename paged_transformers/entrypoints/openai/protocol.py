@@ -99,6 +99,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens=0``: the response is the prompt alone."""
+        return self.echo and self.max_tokens == 0
+
     def unserved_fields(self) -> list[str]:
         bad = super().unserved_fields()
         if self.suffix is not None:

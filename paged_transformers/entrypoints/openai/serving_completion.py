@@ -23,7 +23,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompts:
             raise ServingError(400, "prompt is empty: give a string, a list of strings or token ids", "prompt")
         # echo with max_tokens=0: the prompt alone; one token is sampled and dropped (vLLM's rule)
-        max_tokens = 1 if request.echo and request.max_tokens == 0 else request.max_tokens
+        max_tokens = 1 if request.echo_only else request.max_tokens
         prompt_logprobs = request.logprobs if request.echo else None
         prepared = []
         for i, prompt in enumerate(prompts):
@@ -51,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return sse_frames(self._stream(request, prepared, response_id, created))
         outputs = await self.run_to_end(requests, response_id, raw_request)
-        echo_only = request.echo and request.max_tokens == 0
+        echo_only = request.echo_only
         choices, num_completion_tokens = [], 0
         for i, (output, (_, params, _)) in enumerate(zip(outputs, prepared)):
             for comp in output.outputs:
@@ -72,7 +72,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request: CompletionRequest, prepared, response_id: str, created: int) -> AsyncIterator[dict]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         head = {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name}
-        echo_only = request.echo and request.max_tokens == 0
+        echo_only = request.echo_only
         echoed: set[int] = set()
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
         num_completion_tokens = 0
@@ -102,7 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
         text), then the completion's (none with ``max_tokens=0``). The logprobs join ``prompt_logprobs`` (its first
         entry None) and the completion's; None when not asked for."""
         ids, _, prompt_text = prepared
-        if request.max_tokens == 0:
+        if request.echo_only:
             text, token_ids, logprobs = "", [], []
         return prompt_text + text, ids + token_ids, None if prompt_logprobs is None else prompt_logprobs + logprobs
 
