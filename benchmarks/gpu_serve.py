@@ -23,6 +23,7 @@ holds its prompts.
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -109,6 +110,96 @@ def new_kernels(before: dict, after: dict) -> dict:
     return {name: names.count(name) for name in sorted(set(names))}
 
 
+def cpu_facts() -> dict:
+    """The CPU this run has: cores the OS reports and this process may use, torch's intra-op threads, the cgroup's
+    CPU limit (``cpu.max``, cgroup v2, or v1's quota and period), when there is one."""
+    import torch
+
+    facts = {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "torch_num_threads": torch.get_num_threads()}
+    for name, path in (("cgroup_cpu_max", "/sys/fs/cgroup/cpu.max"), ("cgroup_v1_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+                       ("cgroup_v1_period_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):  # fmt: skip
+        if os.path.exists(path):
+            with open(path) as f:
+                facts[name] = f.read().strip()
+    return facts
+
+
+def cpu_counters() -> dict:
+    """Counters read before and after each run (``cpu_delta``): the machine's busy and total CPU time (``/proc/stat``,
+    clock ticks), the cgroup's throttling (``cpu.stat``), this process's CPU time (seconds), the wall clock."""
+    counters = {"wall_s": time.perf_counter(), "process_cpu_s": time.process_time()}
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:8]]  # user nice system idle iowait irq softirq
+    counters["busy_ticks"], counters["total_ticks"] = sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+    for path in ("/sys/fs/cgroup/cpu.stat", "/sys/fs/cgroup/cpu/cpu.stat"):
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    key, value = line.split()
+                    if key in ("nr_periods", "nr_throttled", "throttled_usec", "throttled_time"):
+                        counters[key] = int(value)
+            break
+    return counters
+
+
+def cpu_delta(before: dict, after: dict) -> dict:
+    """What a run used between two ``cpu_counters``: the machine's busy cores on average (busy share of all CPUs'
+    time x the CPUs ``/proc/stat`` counts), this process's CPU seconds, and the cgroup's throttled periods and
+    seconds where the cgroup reports them."""
+    delta = {k: after[k] - before[k] for k in after if k in before}
+    wall, total = delta.pop("wall_s"), delta.pop("total_ticks")
+    busy = delta.pop("busy_ticks")
+    out = {"machine_busy_cores": round(busy / total * os.cpu_count(), 2) if total else None,
+           "this_process_cpu_s": round(delta.pop("process_cpu_s"), 2), "wall_s": round(wall, 2)}
+    if "nr_throttled" in delta:
+        out["cgroup_throttled_periods"] = delta["nr_throttled"]
+        out["cgroup_periods"] = delta.get("nr_periods")
+        usec = delta.get("throttled_usec", delta.get("throttled_time", 0) / 1e3)
+        out["cgroup_throttled_s"] = round(usec / 1e6, 3)
+    return out
+
+
+def thread_counters(pid: int) -> dict:
+    """Per thread of process ``pid``: CPU seconds (user + system) and involuntary context switches (times the OS took
+    the CPU from it), from ``/proc/<pid>/task``; ``{}`` when the process is gone."""
+    ticks, threads = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                preempted = next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
+        except (OSError, StopIteration):
+            continue
+        threads[int(tid)] = ((int(fields[11]) + int(fields[12])) / ticks, preempted)
+    return threads
+
+
+def threads_delta(pid: int, before: dict, after: dict, top: int = 6) -> dict:
+    """The ``top`` threads of ``pid`` by CPU seconds between two ``thread_counters`` ("main" is the process's first
+    thread): ``{label: [cpu_s, involuntary switches]}``, and the process's total CPU seconds."""
+    rows = [("main" if tid == pid else str(tid), cpu - before.get(tid, (0.0, 0))[0], n - before.get(tid, (0.0, 0))[1])
+            for tid, (cpu, n) in after.items()]  # fmt: skip
+    rows.sort(key=lambda r: -r[1])
+    return {"total_cpu_s": round(sum(r[1] for r in rows), 2), **{label: [round(cpu, 2), n] for label, cpu, n in rows[:top]}}
+
+
+def engine_pid(server_pid: int) -> int | None:
+    """The server's engine process (its ``multiprocessing`` spawn child), or None."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if ppid == server_pid and "spawn_main" in cmdline:
+                return int(entry)
+    return None
+
+
 def count_steps(engine):
     """Count ``engine.step()`` calls and their wall time (the engine process's busy-period log lines say the same of the
     server); ``.take()`` returns ``{"steps", "stepping_s"}`` since the last take."""
@@ -166,13 +257,22 @@ def interleaved_runs(args, vocab_size: int) -> dict:
     server, offline, llm = {}, {"runs": {}}, None
 
     def serve(name: str, seed: int, rate: str = "inf") -> None:
+        pids = {"engine_process": engine_pid(server_proc.pid), "api_server": server_proc.pid}
+        counters, threads = cpu_counters(), {k: thread_counters(pid) for k, pid in pids.items() if pid}
+        client_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
         server[name] = bench_serve(url, rate, workload_args(args.num_requests, vocab_size, seed),
                                    os.path.join(args.out, f"serve_{name}.json"))
+        client = resource.getrusage(resource.RUSAGE_CHILDREN)
+        server[name]["cpu"] = {**cpu_delta(counters, cpu_counters()), "client_cpu_s": round(
+            client.ru_utime + client.ru_stime - client_cpu.ru_utime - client_cpu.ru_stime, 2),
+            **{k: threads_delta(pids[k], before, thread_counters(pids[k])) for k, before in threads.items()}}
 
     def run_offline(name: str, seed: int) -> None:
         requests = synthetic_workload(args.num_requests, INPUT_LEN_RANGE, OUTPUT_LEN_RANGE, vocab_size, seed)
-        before = compile_counts()
-        offline["runs"][name] = {**_offline(llm, requests), **steps.take(),
+        before, counters, threads = compile_counts(), cpu_counters(), thread_counters(os.getpid())
+        result = _offline(llm, requests)
+        cpu = {**cpu_delta(counters, cpu_counters()), "this_process": threads_delta(os.getpid(), threads, thread_counters(os.getpid()))}
+        offline["runs"][name] = {**result, **steps.take(), "cpu": cpu,
                                  "kernel_variants_compiled": new_kernels(before, compile_counts())}
 
     try:
@@ -222,7 +322,7 @@ def main() -> None:
     t0 = time.perf_counter()
     vocab_size = min(20000, make_checkpoint(args.shape, args.checkpoint, args.device))
     os.makedirs(args.out, exist_ok=True)
-    report = {"checkpoint_s": time.perf_counter() - t0, "num_gpu_blocks": args.num_gpu_blocks,
+    report = {"checkpoint_s": time.perf_counter() - t0, "num_gpu_blocks": args.num_gpu_blocks, "cpu_facts": cpu_facts(),
               "workloads": {seed: workload_args(args.num_requests, vocab_size, seed) for seed in TIMED_SEEDS},
               **interleaved_runs(args, vocab_size)}
     server, offline = report["server"], report["offline"]["runs"]
@@ -241,6 +341,11 @@ def main() -> None:
         print(f"{'offline ' + name:<26}{r['output_throughput']:10.0f}{'':39}{r['steps']:7d}"
               f"  compiled: {r['kernel_variants_compiled'] or 'nothing'}")
     print("server busy periods (its engine process's log):\n  " + "\n  ".join(server["busy_periods"]))
+    print(f"CPU: {report['cpu_facts']}")
+    for name in ("warm_up", "timed_1", "timed_2", "half_rate"):
+        print(f"  server {name}: {server[name]['cpu']}")
+    for name, r in offline.items():
+        print(f"  offline {name}: {r['cpu']}")
     print(f"server exit code after SIGTERM: {server['server_exit_code']}")
     print("server / offline at saturation, per seed (ABBA): "
           + ", ".join(f"{x:.3f}" for x in report["saturation_over_offline_per_seed"])

@@ -76,8 +76,9 @@ class StepLoop:
     def run(self) -> None:
         """Step until a ``("stop",)`` command (or ``should_stop``). Each busy period (from the first step after an
         idle wait to the next idle wait of ``IDLE_POLL_S`` with no command, or the stop) ends with a log line of how
-        the loop spent it: steps, and emitting their outputs and counters, so that a server's log shows whether the
-        engine or the front bounds it."""
+        the loop spent it: steps, emitting their outputs and counters, and the CPU time of the whole process (all its
+        threads), so that a server's log shows whether the engine or the front bounds it, and whether the process
+        was short of CPU (stepping wall time well over the process's CPU time while the device is idle)."""
         engine, clock = self.engine, time.perf_counter
         period = _BusyPeriod()
         try:
@@ -145,17 +146,18 @@ class StepLoop:
 
 class _BusyPeriod:
     """Where the stepping loop's time went since its last idle wait: from its first step's start to its last step's
-    end, steps, time stepping and emitting (seconds)."""
+    end, steps, time stepping and emitting, and the process's CPU time over the period (seconds)."""
 
-    __slots__ = ("start", "end", "num_steps", "step_s", "emit_s")
+    __slots__ = ("start", "end", "cpu_start", "cpu_end", "num_steps", "step_s", "emit_s")
 
     def __init__(self):
         self.start, self.end, self.num_steps, self.step_s, self.emit_s = None, None, 0, 0.0, 0.0
+        self.cpu_start = self.cpu_end = 0.0
 
     def add(self, t_step: float, t_stepped: float, t_emitted: float) -> None:
         if self.start is None:
-            self.start = t_step
-        self.end = t_emitted
+            self.start, self.cpu_start = t_step, time.process_time()
+        self.end, self.cpu_end = t_emitted, time.process_time()
         self.num_steps += 1
         self.step_s += t_stepped - t_step
         self.emit_s += t_emitted - t_stepped
@@ -163,5 +165,6 @@ class _BusyPeriod:
     def log_and_reset(self) -> "_BusyPeriod":
         if self.num_steps:
             logger.info("paged_transformers: busy for %.2f s: %d steps, %.2f s stepping, %.2f s emitting outputs and "
-                        "counters", self.end - self.start, self.num_steps, self.step_s, self.emit_s)
+                        "counters, %.2f s of process CPU", self.end - self.start, self.num_steps, self.step_s, self.emit_s,
+                        self.cpu_end - self.cpu_start)
         return _BusyPeriod()
