@@ -118,13 +118,13 @@ async def _run_rate(base_url: str, model: str, requests: list[BenchRequest], rat
             async with limit:
                 return await _one(http, model, request)
 
-        tasks, start = [], time.perf_counter()
+        tasks, start, cpu_start = [], time.perf_counter(), time.process_time()
         for request in requests:
             tasks.append(asyncio.ensure_future(send(request)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -138,8 +138,9 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": at(0.5), "p99": at(0.99), "mean": sum(ordered) / len(ordered)}
 
 
-def summarize(rate: float, results: list[RequestResult], duration_s: float) -> dict:
-    """The record of one rate's run: counts, throughput, and TTFT / TPOT / ITL / e2e percentiles (seconds)."""
+def summarize(rate: float, results: list[RequestResult], duration_s: float, client_cpu_s: float | None = None) -> dict:
+    """The record of one rate's run: counts, throughput, TTFT / TPOT / ITL / e2e percentiles (seconds), and the
+    client's own CPU time over the run (seconds; near ``duration_s``, the client's one core bounds what it measured)."""
     ok = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in ok)
     return {
@@ -150,6 +151,7 @@ def summarize(rate: float, results: list[RequestResult], duration_s: float) -> d
         "ttft_s": _percentiles([r.ttft for r in ok]),
         "tpot_s": _percentiles([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
         "itl_s": _percentiles([gap for r in ok for gap in r.itl]), "e2e_s": _percentiles([r.e2e for r in ok]),
+        "client_cpu_s": client_cpu_s,
     }  # fmt: skip
 
 
@@ -218,7 +220,7 @@ def _warm_up(base_url: str, model: str, request: BenchRequest, api_key: str | No
     Raises:
         RuntimeError: it failed (wrong URL or model name, ...), with the server's answer.
     """
-    (result,), _ = asyncio.run(_run_rate(base_url, model, [request], math.inf, None, 0, api_key))
+    (result,), *_ = asyncio.run(_run_rate(base_url, model, [request], math.inf, None, 0, api_key))
     if not result.ok:
         raise RuntimeError(f"the warm-up request to {base_url} failed: {result.error}")
 

@@ -63,6 +63,7 @@ class StepLoop:
     def __init__(self, engine, next_command: Callable[[bool], tuple | None], emit: Callable[[tuple], None],
                  should_stop: Callable[[], bool] = lambda: False):  # fmt: skip
         self.engine, self.next_command, self.emit, self.should_stop = engine, next_command, emit, should_stop
+        self._period = _BusyPeriod(engine.config.max_num_seqs)
 
     def prepare(self) -> None:
         """Before the first request: capture every decode CUDA graph (no step waits for a capture), publish the
@@ -76,11 +77,13 @@ class StepLoop:
     def run(self) -> None:
         """Step until a ``("stop",)`` command (or ``should_stop``). Each busy period (from the first step after an
         idle wait to the next idle wait of ``IDLE_POLL_S`` with no command, or the stop) ends with a log line of how
-        the loop spent it: steps, emitting their outputs and counters, and the CPU time of the whole process (all its
-        threads), so that a server's log shows whether the engine or the front bounds it, and whether the process
-        was short of CPU (stepping wall time well over the process's CPU time while the device is idle)."""
+        the loop spent it: steps, emitting their outputs and counters, the CPU time of the whole process (all its
+        threads), and how fast the period's requests came (over how many seconds they were added, and after how many
+        the ``max_num_seqs``-th came), so that a server's log shows whether the engine or the front bounds it: whether
+        the process was short of CPU (stepping wall time well over its CPU time; a CUDA wait spins, so CPU time near
+        wall time does not by itself mean the host bounds the step), and whether the steps waited for requests to
+        arrive."""
         engine, clock = self.engine, time.perf_counter
-        period = _BusyPeriod()
         try:
             while True:
                 idle = not engine.has_unfinished_requests()
@@ -88,7 +91,7 @@ class StepLoop:
                 if applied is None:
                     return
                 if idle and not applied:
-                    period = period.log_and_reset()
+                    self._period = self._period.log_and_reset()
                 if not engine.has_unfinished_requests():
                     continue
                 t0 = clock()
@@ -97,9 +100,9 @@ class StepLoop:
                 self.publish_snapshot()
                 if outputs:
                     self.emit(("outputs", outputs))
-                period.add(t0, t1, clock())
+                self._period.add(t0, t1, clock())
         finally:
-            period.log_and_reset()
+            self._period.log_and_reset()
 
     def apply_commands(self, block: bool) -> int | None:
         """Apply the queued commands (waiting for one when ``block``). Returns how many were applied, or None on
@@ -127,6 +130,7 @@ class StepLoop:
                 self.emit(("added", added))
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._period.added(time.perf_counter())
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)
         except Exception as e:  # noqa: BLE001 - checked before (check_request): a failure here is this request's alone
@@ -146,13 +150,19 @@ class StepLoop:
 
 class _BusyPeriod:
     """Where the stepping loop's time went since its last idle wait: from its first step's start to its last step's
-    end, steps, time stepping and emitting, and the process's CPU time over the period (seconds)."""
+    end, steps, time stepping and emitting, the process's CPU time over the period, and when its requests were added
+    (seconds; ``max_num_seqs`` names the arrival worth reporting: the one that can fill the running batch)."""
 
-    __slots__ = ("start", "end", "cpu_start", "cpu_end", "num_steps", "step_s", "emit_s")
+    __slots__ = ("max_num_seqs", "start", "end", "cpu_start", "cpu_end", "num_steps", "step_s", "emit_s", "add_times")
 
-    def __init__(self):
+    def __init__(self, max_num_seqs: int):
+        self.max_num_seqs = max_num_seqs
         self.start, self.end, self.num_steps, self.step_s, self.emit_s = None, None, 0, 0.0, 0.0
         self.cpu_start = self.cpu_end = 0.0
+        self.add_times: list[float] = []
+
+    def added(self, t: float) -> None:
+        self.add_times.append(t)
 
     def add(self, t_step: float, t_stepped: float, t_emitted: float) -> None:
         if self.start is None:
@@ -164,7 +174,11 @@ class _BusyPeriod:
 
     def log_and_reset(self) -> "_BusyPeriod":
         if self.num_steps:
+            adds, k = self.add_times, self.max_num_seqs
+            arrivals = f"{len(adds)} requests added over {adds[-1] - adds[0]:.2f} s" if adds else "no requests added"
+            if len(adds) > k:
+                arrivals += f" (the {k}th after {adds[k - 1] - adds[0]:.2f} s)"
             logger.info("paged_transformers: busy for %.2f s: %d steps, %.2f s stepping, %.2f s emitting outputs and "
-                        "counters, %.2f s of process CPU", self.end - self.start, self.num_steps, self.step_s, self.emit_s,
-                        self.cpu_end - self.cpu_start)
-        return _BusyPeriod()
+                        "counters, %.2f s of process CPU, %s", self.end - self.start, self.num_steps, self.step_s,
+                        self.emit_s, self.cpu_end - self.cpu_start, arrivals)
+        return _BusyPeriod(self.max_num_seqs)
