@@ -78,8 +78,8 @@ class StepLoop:
         """Step until a ``("stop",)`` command (or ``should_stop``). Each busy period (from the first step after an
         idle wait to the next idle wait of ``IDLE_POLL_S`` with no command, or the stop) ends with a log line of how
         the loop spent it: steps, emitting their outputs and counters, the CPU time of the whole process (all its
-        threads), and how fast the period's requests came (over how many seconds they were added, and after how many
-        the ``max_num_seqs``-th came), so that a server's log shows whether the engine or the front bounds it: whether
+        threads), and how fast the period's requests came (over how many seconds they were added, and how long after
+        the first the ``max_num_seqs``-th came), so that a server's log shows whether the engine or the front bounds it: whether
         the process was short of CPU (stepping wall time well over its CPU time; a CUDA wait spins, so CPU time near
         wall time does not by itself mean the host bounds the step), and whether the steps waited for requests to
         arrive."""
