@@ -126,8 +126,9 @@ def cpu_facts() -> dict:
 
 def cpu_counters() -> dict:
     """Counters read before and after each run (``cpu_delta``): the machine's busy and total CPU time (``/proc/stat``,
-    clock ticks), the cgroup's throttling (``cpu.stat``), this process's CPU time (seconds), the wall clock."""
-    counters = {"wall_s": time.perf_counter(), "process_cpu_s": time.process_time()}
+    clock ticks), the cgroup's throttling (``cpu.stat``), the wall clock. (Each process's CPU time is its threads':
+    ``thread_counters``.)"""
+    counters = {"wall_s": time.perf_counter()}
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:8]]  # user nice system idle iowait irq softirq
     counters["busy_ticks"], counters["total_ticks"] = sum(ticks) - ticks[3] - ticks[4], sum(ticks)
@@ -144,13 +145,13 @@ def cpu_counters() -> dict:
 
 def cpu_delta(before: dict, after: dict) -> dict:
     """What a run used between two ``cpu_counters``: the machine's busy cores on average (busy share of all CPUs'
-    time x the CPUs ``/proc/stat`` counts), this process's CPU seconds, and the cgroup's throttled periods and
-    seconds where the cgroup reports them."""
+    time x the CPUs ``/proc/stat`` counts), and the cgroup's throttled periods and seconds where the cgroup reports
+    them."""
     delta = {k: after[k] - before[k] for k in after if k in before}
     wall, total = delta.pop("wall_s"), delta.pop("total_ticks")
     busy = delta.pop("busy_ticks")
     out = {"machine_busy_cores": round(busy / total * os.cpu_count(), 2) if total else None,
-           "this_process_cpu_s": round(delta.pop("process_cpu_s"), 2), "wall_s": round(wall, 2)}
+           "wall_s": round(wall, 2)}
     if "nr_throttled" in delta:
         out["cgroup_throttled_periods"] = delta["nr_throttled"]
         out["cgroup_periods"] = delta.get("nr_periods")
@@ -159,14 +160,19 @@ def cpu_delta(before: dict, after: dict) -> dict:
     return out
 
 
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a ``/proc`` ``stat`` file after the command name (which may hold spaces): state, ppid, ..."""
+    with open(path) as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def thread_counters(pid: int) -> dict:
     """Per thread of process ``pid``: CPU seconds (user + system) and involuntary context switches (times the OS took
     the CPU from it), from ``/proc/<pid>/task``; ``{}`` when the process is gone."""
     ticks, threads = os.sysconf("SC_CLK_TCK"), {}
     for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
             with open(f"/proc/{pid}/task/{tid}/status") as f:
                 preempted = next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
         except (OSError, StopIteration):
@@ -189,8 +195,7 @@ def engine_pid(server_pid: int) -> int | None:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                ppid = int(_stat_fields(f"/proc/{entry}/stat")[1])
                 with open(f"/proc/{entry}/cmdline") as f:
                     cmdline = f.read()
             except OSError:

@@ -100,7 +100,7 @@ class StepLoop:
                 self.publish_snapshot()
                 if outputs:
                     self.emit(("outputs", outputs))
-                self._period.add(t0, t1, clock())
+                self._period.add_step(t0, t1, clock())
         finally:
             self._period.log_and_reset()
 
@@ -130,7 +130,7 @@ class StepLoop:
                 self.emit(("added", added))
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._period.added(time.perf_counter())
+        self._period.add_request(time.perf_counter())
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)
         except Exception as e:  # noqa: BLE001 - checked before (check_request): a failure here is this request's alone
@@ -161,10 +161,10 @@ class _BusyPeriod:
         self.cpu_start = self.cpu_end = 0.0
         self.add_times: list[float] = []
 
-    def added(self, t: float) -> None:
+    def add_request(self, t: float) -> None:
         self.add_times.append(t)
 
-    def add(self, t_step: float, t_stepped: float, t_emitted: float) -> None:
+    def add_step(self, t_step: float, t_stepped: float, t_emitted: float) -> None:
         if self.start is None:
             self.start, self.cpu_start = t_step, time.process_time()
         self.end, self.cpu_end = t_emitted, time.process_time()
