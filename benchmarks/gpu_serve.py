@@ -37,6 +37,9 @@ import urllib.request
 WARM_UP_SEED, HALF_RATE_SEED = 0, 2
 TIMED_SEEDS = (1, 3)  # the prompts of the two timed saturation runs of each side (ABBA: server, offline, offline, server)
 INPUT_LEN_RANGE, OUTPUT_LEN_RANGE = (64, 512), (16, 128)  # tokens, uniform, both ends included
+# bench serve's client processes: one took ~1.5 s to send the 1,024-request burst (reading no response meanwhile),
+# which the server then saw as its ramp (2026-12-03)
+NUM_CLIENT_PROCESSES = 4
 
 
 def workload_args(num_requests: int, vocab_size: int, seed: int) -> list[str]:
@@ -85,7 +88,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
 
 def bench_serve(url: str, rate: str, workload: list[str], out_json: str) -> dict:
     subprocess.run([sys.executable, "-m", "paged_transformers.bench.serve", "--base-url", url, "--served-model-name", "ck",
-                    "--request-rate", rate, *workload, "--output-json", out_json], check=True)
+                    "--request-rate", rate, "--num-client-processes", str(NUM_CLIENT_PROCESSES), *workload,
+                    "--output-json", out_json], check=True)
     with open(out_json) as f:
         return json.load(f)["records"][0]
 
@@ -337,18 +341,23 @@ def main() -> None:
     with open(os.path.join(args.out, "gpu_serve.json"), "w") as f:
         json.dump(report, f, indent=2)
     ms = 1e3
-    print(f"{'run (in order)':<26}{'out tok/s':>10}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'TPOT p50 ms':>13}{'steps':>7}")
+    print(f"{'run (in order)':<26}{'out tok/s':>10}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'TPOT p50 ms':>13}{'steps':>7}"
+          f"{'accepted p50/max s':>20}")
     for name in ("warm_up", "timed_1", "timed_2", "half_rate"):
         r = server[name]
         print(f"{'server ' + name:<26}{r['output_throughput']:10.0f}{r['request_throughput']:8.1f}"
-              f"{r['ttft_s']['p50'] * ms:9.0f}/{r['ttft_s']['p99'] * ms:<8.0f}{r['tpot_s']['p50'] * ms:13.1f}")
+              f"{r['ttft_s']['p50'] * ms:9.0f}/{r['ttft_s']['p99'] * ms:<8.0f}{r['tpot_s']['p50'] * ms:13.1f}{'':7}"
+              f"{r['accepted_s']['p50']:13.2f}/{r['accepted_s']['max']:.2f}")
     for name, r in offline.items():
         print(f"{'offline ' + name:<26}{r['output_throughput']:10.0f}{'':39}{r['steps']:7d}"
               f"  compiled: {r['kernel_variants_compiled'] or 'nothing'}")
     print("server busy periods (its engine process's log):\n  " + "\n  ".join(server["busy_periods"]))
     print(f"CPU: {report['cpu_facts']}")
     for name in ("warm_up", "timed_1", "timed_2", "half_rate"):
-        print(f"  server {name}: {server[name]['cpu']}")
+        cpu = server[name]["cpu"]
+        print(f"  server {name}: wall {cpu['wall_s']} s, busy cores {cpu['machine_busy_cores']}, CPU s: client "
+              f"{server[name]['client_cpu_s']:.1f} in the run, API server {cpu['api_server']['total_cpu_s']} (main thread "
+              f"{cpu['api_server']['main'][0]}), engine process {cpu['engine_process']['total_cpu_s']}")
     for name, r in offline.items():
         print(f"  offline {name}: {r['cpu']}")
     print(f"server exit code after SIGTERM: {server['server_exit_code']}")

@@ -40,3 +40,32 @@ def test_summarize_counts_from_the_requests():
     assert record["output_throughput"] == 2.0 and record["total_token_throughput"] == 7.0
     assert record["tpot_s"]["p50"] == 0.25 and record["tpot_s"]["p99"] == 0.5  # (1.5-0.5)/4, (2-1)/2
     assert record["ttft_s"]["mean"] == 0.75
+
+
+def test_client_processes_share_the_requests_and_keep_their_order():
+    """Three client processes against one server: every request completes with its own output length (ignore_eos),
+    in the order of the requests, and the run's duration spans them all."""
+    skip_without_server_deps()
+    from paged_transformers.bench.serve import run_clients
+    from paged_transformers.bench.workload import synthetic_workload
+
+    from serving import MODEL, running_server
+
+    requests = synthetic_workload(7, (4, 12), (2, 9), 1000, 5)
+    assert len({r.output_len for r in requests}) > 2  # the order is visible in the output lengths
+    with running_server() as server:
+        results, duration_s, cpu_s = run_clients(server.url, MODEL, requests, float("inf"), None, 0, num_processes=3)
+    assert [r.ok for r in results] == [True] * 7, [r.error for r in results]
+    assert [r.output_tokens for r in results] == [r.output_len for r in requests]
+    assert duration_s >= max(r.e2e for r in results) and cpu_s > 0
+    assert all(0 < r.accepted <= duration_s for r in results)
+
+
+def test_client_processes_are_checked_before_any_starts():
+    from paged_transformers.bench.serve import run_clients
+    from paged_transformers.bench.workload import synthetic_workload
+
+    requests = synthetic_workload(2, (4, 8), (2, 4), 1000, 0)
+    for bad, concurrency in ((0, None), (True, None), (3, None), (2, 1)):
+        with pytest.raises(ValueError, match="num_processes"):
+            run_clients("http://127.0.0.1:9", "m", requests, 1.0, concurrency, 0, num_processes=bad)

@@ -15,10 +15,13 @@ server is gone) and prints its throughput beside the server's.
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
+import queue
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +38,7 @@ class RequestResult:
     output_tokens: int = 0
     ttft: float = 0.0
     e2e: float = 0.0
+    accepted: float = 0.0  # from the run's start to the response's headers (the server took the request)
     itl: list[float] = field(default_factory=list)
 
 
@@ -46,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                         help="requests/s of the Poisson arrivals, one run each; inf: all at once")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight; None: no cap")
+    parser.add_argument("--num-client-processes", type=int, default=1,
+                        help="client processes sharing the requests (and the rate); more when one client's CPU "
+                             "(client_cpu_s near duration_s) or its sending of a burst (accepted_s) bounds the run")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the synthetic workload, per rate")
     parser.add_argument("--input-len-range", type=int, nargs=2, default=[64, 512], metavar=("LOW", "HIGH"),
                         help="prompt lengths, tokens")
@@ -62,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, model_positional=False)
 
 
-async def _one(http, model: str, request: BenchRequest) -> RequestResult:
+async def _one(http, model: str, request: BenchRequest, run_start: float) -> RequestResult:
     body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     start = time.perf_counter()
@@ -70,6 +77,7 @@ async def _one(http, model: str, request: BenchRequest) -> RequestResult:
     result = RequestResult(ok=False, prompt_tokens=len(request.prompt_token_ids))
     try:
         async with http.post("/v1/completions", json=body) as response:
+            result.accepted = time.perf_counter() - run_start
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return result
@@ -114,9 +122,9 @@ async def _run_rate(base_url: str, model: str, requests: list[BenchRequest], rat
 
         async def send(request):
             if limit is None:
-                return await _one(http, model, request)
+                return await _one(http, model, request, start)
             async with limit:
-                return await _one(http, model, request)
+                return await _one(http, model, request, start)
 
         tasks, start, cpu_start = [], time.perf_counter(), time.process_time()
         for request in requests:
@@ -125,6 +133,90 @@ async def _run_rate(base_url: str, model: str, requests: list[BenchRequest], rat
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def run_clients(base_url: str, model: str, requests: list[BenchRequest], rate: float, max_concurrency: int | None,
+                seed: int, api_key: str | None = None, num_processes: int = 1):  # fmt: skip
+    """One rate's run from ``num_processes`` client processes (``multiprocessing`` spawn), each sending every
+    ``num_processes``-th request as a Poisson process of ``rate / num_processes`` (together a Poisson process of
+    ``rate``) under its share of ``max_concurrency``; they start together (a barrier). One asyncio client process
+    sends a burst of 1,024 streamed requests over about 1.5 s and reads no response before it is done (H200 host,
+    2026-12-03), which is then the ramp the server sees; several share that work.
+
+    Returns:
+        ``(results in the order of requests, duration_s from the first process's start to the last one's end,
+        client CPU seconds of all the processes over the run)``.
+
+    Raises:
+        ValueError: ``num_processes`` < 1, or over the number of requests or of ``max_concurrency``.
+        RuntimeError: a client process failed (its error named), or did not start within 300 s.
+    """
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+    if num_processes > max(1, len(requests)) or (max_concurrency and num_processes > max_concurrency):
+        raise ValueError(f"num_processes={num_processes} is over the {len(requests)} requests or max_concurrency="
+                         f"{max_concurrency}: some client processes would have nothing to do")  # fmt: skip
+    if num_processes == 1:
+        return asyncio.run(_run_rate(base_url, model, requests, rate, max_concurrency, seed, api_key))
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier, results_queue = context.Barrier(num_processes + 1), context.Queue()
+    caps = [None if not max_concurrency else max_concurrency // num_processes + (i < max_concurrency % num_processes)
+            for i in range(num_processes)]  # fmt: skip
+    processes = [context.Process(target=_client_process, daemon=True, name=f"bench-serve-client-{i}",
+                                 args=(i, barrier, results_queue, base_url, model, requests[i::num_processes],
+                                       rate / num_processes, caps[i], seed * num_processes + i, api_key))
+                 for i in range(num_processes)]  # fmt: skip
+    for process in processes:
+        process.start()
+    try:
+        try:
+            barrier.wait(timeout=300)
+        except threading.BrokenBarrierError:
+            i, outcome = results_queue.get(timeout=5) if not results_queue.empty() else ("?", "did not start within 300 s")
+            raise RuntimeError(f"client process {i} failed: {outcome}") from None
+        results: list[RequestResult | None] = [None] * len(requests)
+        start, end, cpu_s = math.inf, -math.inf, 0.0
+        for _ in processes:
+            i, outcome = _next_result(results_queue, processes)
+            if isinstance(outcome, str):
+                raise RuntimeError(f"client process {i} failed: {outcome}")
+            share, share_start, share_end, share_cpu = outcome  # perf_counter: CLOCK_MONOTONIC, one clock for all
+            results[i::num_processes] = share
+            start, end, cpu_s = min(start, share_start), max(end, share_end), cpu_s + share_cpu
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    return results, end - start, cpu_s
+
+
+def _next_result(results_queue, processes) -> tuple:
+    """The next client process's message; RuntimeError when every process is gone with none left to read (a
+    process killed)."""
+    while True:
+        try:
+            return results_queue.get(timeout=1.0)
+        except queue.Empty:
+            if not any(process.is_alive() for process in processes) and results_queue.empty():
+                raise RuntimeError("a client process exited without its results (killed?)") from None
+
+
+def _client_process(i: int, barrier, results_queue, base_url: str, model: str, requests: list[BenchRequest],
+                    rate: float, max_concurrency: int | None, seed: int, api_key: str | None) -> None:  # fmt: skip
+    """One of ``run_clients``' processes: wait at ``barrier``, run its share, put ``(i, (results, start and end on
+    perf_counter, CPU seconds))`` on ``results_queue``, or ``(i, error text)``."""
+    try:
+        importlib.import_module("aiohttp")  # before the barrier: not on the run's clock
+        barrier.wait(timeout=300)
+        start = time.perf_counter()
+        results, _, cpu_s = asyncio.run(_run_rate(base_url, model, requests, rate, max_concurrency, seed, api_key))
+        results_queue.put((i, (results, start, time.perf_counter(), cpu_s)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        barrier.abort()  # a parent still at the barrier does not wait for this process
+        results_queue.put((i, f"{type(e).__name__}: {e}"))
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -139,8 +231,10 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def summarize(rate: float, results: list[RequestResult], duration_s: float, client_cpu_s: float | None = None) -> dict:
-    """The record of one rate's run: counts, throughput, TTFT / TPOT / ITL / e2e percentiles (seconds), and the
-    client's own CPU time over the run (seconds; near ``duration_s``, the client's one core bounds what it measured)."""
+    """The record of one rate's run: counts, throughput, TTFT / TPOT / ITL / e2e percentiles (seconds), when the
+    server took the requests (``accepted_s``: seconds from the run's start to each response's headers; at rate inf
+    its spread is how fast the server's front takes a burst in), and the client's own CPU time over the run
+    (seconds; near ``duration_s``, the client's one core bounds what it measured)."""
     ok = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in ok)
     return {
@@ -151,6 +245,7 @@ def summarize(rate: float, results: list[RequestResult], duration_s: float, clie
         "ttft_s": _percentiles([r.ttft for r in ok]),
         "tpot_s": _percentiles([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
         "itl_s": _percentiles([gap for r in ok for gap in r.itl]), "e2e_s": _percentiles([r.e2e for r in ok]),
+        "accepted_s": {**_percentiles([r.accepted for r in ok]), "max": max((r.accepted for r in ok), default=None)},
         "client_cpu_s": client_cpu_s,
     }  # fmt: skip
 
@@ -235,8 +330,8 @@ def run(args) -> dict:
         requests = _workload(args, args.vocab_size or 20000)
         _warm_up(args.base_url, model, requests[0], args.api_key)
         for i, rate in enumerate(args.request_rate):
-            records.append(summarize(rate, *asyncio.run(_run_rate(args.base_url, model, requests, rate, args.max_concurrency,
-                                                                  args.workload_seed + i, args.api_key))))  # fmt: skip
+            records.append(summarize(rate, *run_clients(args.base_url, model, requests, rate, args.max_concurrency,
+                                                        args.workload_seed + i, args.api_key, args.num_client_processes)))  # fmt: skip
     else:
         from ..entrypoints.llm import LLM
         from ..entrypoints.openai.api_server import ServerThread, build_app, load_front, served_model
@@ -247,8 +342,8 @@ def run(args) -> dict:
         with ServerThread(build_app(front, names, log_requests=False), log_level="warning") as server:
             _warm_up(server.url, names[0], requests[0])
             for i, rate in enumerate(args.request_rate):
-                records.append(summarize(rate, *asyncio.run(_run_rate(server.url, names[0], requests, rate,
-                                                                      args.max_concurrency, args.workload_seed + i))))  # fmt: skip
+                records.append(summarize(rate, *run_clients(server.url, names[0], requests, rate, args.max_concurrency,
+                                                            args.workload_seed + i, None, args.num_client_processes)))  # fmt: skip
         if args.compare_offline:  # after the server's engine is gone: the same model loaded here
             llm = LLM(served_model(args)[0], **llm_arguments(args))
             offline = _offline(llm, requests)
@@ -261,6 +356,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m paged_transformer
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.num_client_processes < 1:
+        parser.error(f"--num-client-processes must be at least 1, got {args.num_client_processes}")
     if args.compare_offline and args.base_url:
         parser.error("--compare-offline needs the server started here (--model, no --base-url)")
     report = run(args)

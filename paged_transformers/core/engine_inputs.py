@@ -50,13 +50,9 @@ def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len:
     """
     if not prompt_token_ids:
         raise ValueError("prompt is empty: it needs at least one token")
-    not_ints = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
-    if not_ints:
-        shown = ", ".join(f"{t!r} ({type(t).__name__})" for t in not_ints[:5])
-        raise ValueError(f"prompt token ids must be integers (one flat list of ids), got {shown}")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    # the common case in C (a server checks every prompt on its event loop); _check_token_ids names what is wrong
+    if not (set(map(type, prompt_token_ids)) == {int} and 0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size):
+        _check_token_ids(prompt_token_ids, vocab_size)
     if len(prompt_token_ids) >= max_model_len:
         raise ValueError(
             f"prompt has {len(prompt_token_ids)} tokens; max_model_len={max_model_len} leaves room for "
@@ -67,6 +63,18 @@ def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len:
             f"prompt has {len(prompt_token_ids)} tokens, over max_num_batched_tokens="
             f"{config.max_num_batched_tokens}, and chunked prefill is off"
         )
+
+
+def _check_token_ids(prompt_token_ids: list, vocab_size: int) -> None:
+    """Raises ValueError naming the ids that are not integers (with their types), or else those outside
+    ``[0, vocab_size)``."""
+    not_ints = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool)]
+    if not_ints:
+        shown = ", ".join(f"{t!r} ({type(t).__name__})" for t in not_ints[:5])
+        raise ValueError(f"prompt token ids must be integers (one flat list of ids), got {shown}")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def check_sampling_params(sampling_params, config: EngineConfig, vocab_size: int, tokenizer) -> SamplingParams:

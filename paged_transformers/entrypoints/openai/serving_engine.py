@@ -277,7 +277,15 @@ class LogitBias:
 
 async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
     """Items of several async iterators as they come, as ``(iterator index, item)``. Leaving early, or an error in
-    one of them (raised here), cancels and closes them all."""
+    one of them (raised here), cancels and closes them all. One iterator (a request of one prompt, the common case)
+    is iterated in place: no task and no queue between its items and the response."""
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
