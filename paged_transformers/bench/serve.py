@@ -173,8 +173,11 @@ def run_clients(base_url: str, model: str, requests: list[BenchRequest], rate: f
     try:
         try:
             barrier.wait(timeout=300)
-        except threading.BrokenBarrierError:
-            i, outcome = results_queue.get(timeout=5) if not results_queue.empty() else ("?", "did not start within 300 s")
+        except threading.BrokenBarrierError:  # a process failed (it aborts the barrier, then sends why) or timed out
+            try:
+                i, outcome = results_queue.get(timeout=5)
+            except queue.Empty:
+                i, outcome = "?", "did not start within 300 s"
             raise RuntimeError(f"client process {i} failed: {outcome}") from None
         results: list[RequestResult | None] = [None] * len(requests)
         start, end, cpu_s = math.inf, -math.inf, 0.0
