@@ -7,6 +7,7 @@ a server busy with its streams (vLLM's engine core does its socket I/O in thread
 list of messages: a writer sends everything queued since its last send at once."""
 
 import dataclasses
+import gc
 import logging
 import operator
 import pickle
@@ -30,6 +31,17 @@ def configure_logging() -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
         package.addHandler(handler)
         package.setLevel(logging.INFO)
+
+
+def freeze_gc_heap() -> None:
+    """Collect, then move every object alive into the garbage collector's permanent generation
+    (``gc.freeze``), so that the collections while serving scan only what requests create. Called once by each
+    server process (the API server and the engine process) when its start-up is done: their start-up heaps (torch,
+    transformers, the model, the tokenizer: some 400,000 tracked objects) made each full collection stall the
+    process for 0.2-0.4 s (a CPU machine, a burst of 512 requests). vLLM's servers do the same (its
+    ``freeze_gc_heap``). Not for a user's process: the freeze is process-wide."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_engine_process(conn, model, llm_kwargs: dict) -> None:
@@ -57,6 +69,7 @@ def run_engine_process(conn, model, llm_kwargs: dict) -> None:
         with llm.attached_engine() as engine:
             loop = StepLoop(engine, next_command, lambda message: writer.put(encode_message(message)))
             loop.prepare()
+            freeze_gc_heap()
             writer.put(("ready", EngineLimits.of(engine), llm.tokenizer, llm.get_default_sampling_params()))
             loop.run()
         llm.close()

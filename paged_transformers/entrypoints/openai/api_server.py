@@ -34,7 +34,7 @@ from ... import __version__
 from ...default_model import DEFAULT_MODEL_NAME, default_model_path
 from ...integration.hub import resolve_model_path
 from ..async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from ..engine_process import configure_logging
+from ..engine_process import configure_logging, freeze_gc_heap
 from ..llm import LLM
 from .cli_args import DEFAULT_MAX_BODY_BYTES, llm_arguments, make_arg_parser
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -302,6 +302,7 @@ def run_server(args) -> int:
     # raise be a no-op and exit 0 (the default SIGTERM action would end the process with -15)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    freeze_gc_heap()
     server = GracefulServer(app, exit_on_engine_death=True, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level)
     server.run()
