@@ -5,7 +5,7 @@ engine attached for the front's whole life. Everything else talks to it through 
 
     event loop                                   stepping loop (a thread, or the engine process)
     ----------                                   -----------------------------------------------
-    generate(): checks (read-only limits) ---->  commands: ("add", id, ids, params) / ("abort", id) / ("stop",)
+    add_request(): checks (read-only limits) ->  commands: ("add", id, ids, params) / ("abort", id) / ("stop",)
                                                  apply the commands; engine.step(); snapshot the counters
     per-request _Stream (latest output) <------  ("outputs", [RequestOutput, ...]) / ("snapshot", ...) / ...
 
@@ -24,6 +24,11 @@ A ``RequestOutput`` is a cumulative snapshot of its request (all tokens so far),
 reads only the latest one and loses nothing: the loop never queues more than one output per request.
 Detokenizing deltas and encoding JSON happen in the request handlers on the event loop, never in the stepping loop,
 which only steps the engine and hands its outputs over.
+
+A server hands each request over in its handler (``add_request``), not where its streamed body first runs: uvicorn
+runs that body as a task of its own, after every task already ready, so in a burst a request handed over there
+waited until the event loop had validated the whole clump of requests that came with it (150-400 ms on the H200
+host; BENCHMARKS.md, issue 20).
 """
 
 import asyncio
@@ -34,7 +39,7 @@ import multiprocessing
 import queue
 import signal
 import threading
-from collections.abc import AsyncIterator
+import time
 
 from ..core.engine_inputs import check_sampling_params, validate_prompt
 from ..outputs import RequestOutput
@@ -42,7 +47,7 @@ from ..sampling_params import SamplingParams
 from .engine_process import PipeWriter, decode_message, run_engine_process
 from .step_loop import IDLE_POLL_S, EngineLimits, EngineSnapshot, StepLoop
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError", "RequestStream"]
 
 logger = logging.getLogger("paged_transformers")
 
@@ -85,8 +90,61 @@ class _Stream:
         self.event = asyncio.Event()
 
 
+class RequestStream:
+    """One request's outputs, as ``AsyncEngine.add_request`` returns them: ``async for`` yields its
+    ``RequestOutput``s (cumulative snapshots; the last one has ``finished=True``); ``close()``, on any path, before or
+    after iterating, aborts the request unless it finished (its blocks are freed). Closing twice is safe.
+
+    Raises (while iterating):
+        EngineDeadError: the stepping loop stopped (or the server shut down) mid-request.
+        RuntimeError: the engine failed the request (the exception it raised, as the cause).
+    """
+
+    __slots__ = ("_front", "request_id", "arrival_time", "_stream", "_finished", "_closed")
+
+    def __init__(self, front: "AsyncEngine", request_id: str, stream: _Stream):
+        self._front, self.request_id, self._stream = front, request_id, stream
+        self.arrival_time = time.perf_counter()  # when it was handed over (seconds, perf_counter)
+        self._finished = self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        """Its last output (``finished=True``) was taken."""
+        return self._finished
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        stream = self._stream
+        while not self._finished and not self._closed:
+            await stream.event.wait()
+            stream.event.clear()
+            if isinstance(stream.error, EngineDeadError):  # shut down, or the engine died: as is (a 503)
+                raise stream.error
+            if stream.error is not None:
+                raise RuntimeError(f"the engine failed this request: {stream.error}") from stream.error
+            output, stream.latest = stream.latest, None
+            if output is not None:
+                self._finished = output.finished
+                return output
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        """Stop taking outputs; abort the request in the engine unless it finished."""
+        if not self._closed:
+            self._closed = True
+            self._front._release(self.request_id, self._finished)
+            self._stream.event.set()  # an iteration waiting for an output ends
+
+
 class AsyncEngine:
-    """Serve a model's warm engine to asyncio code: ``generate`` yields a request's outputs as they come.
+    """Serve a model's warm engine to asyncio code: ``add_request`` hands a request over at once and returns its
+    ``RequestStream``, which yields the request's outputs as they come.
 
     ``AsyncEngine(llm)`` steps the engine in a thread of this process; ``AsyncEngine.spawn(model, llm_kwargs)`` in a
     process of its own (the module docstring says when each fits).
@@ -107,7 +165,7 @@ class AsyncEngine:
     Raises:
         ValueError: a bad ``max_num_queued_requests``.
 
-    Call ``start()`` on the event loop that will call ``generate``, and ``shutdown()`` at the end.
+    Call ``start()`` on the event loop that will call ``add_request``, and ``shutdown()`` at the end.
     """
 
     def __init__(self, llm, max_num_queued_requests: int | None = None):
@@ -258,7 +316,7 @@ class AsyncEngine:
 
     def check_admission(self) -> None:
         """Whether a new request is taken now. A server calls it as a request arrives, before its response starts
-        (a streamed response cannot turn into a 503 later); ``generate`` itself only checks that the engine runs.
+        (a streamed response cannot turn into a 503 later); ``add_request`` itself only checks that the engine runs.
         So the queue limit is checked at arrival: requests that arrive together may pass it together.
 
         Raises:
@@ -274,14 +332,15 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
 
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Queue one request and yield its ``RequestOutput``s (cumulative snapshots; the last one has
-        ``finished=True``). Leaving the iteration early (a client gone, a cancelled task) aborts the request.
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> "RequestStream":
+        """Check one request and hand it to the stepping loop now; its outputs come through the returned
+        ``RequestStream`` (vLLM's ``AsyncLLM.add_request`` and its output collector). A server hands a request over
+        in its handler, so that the engine has it while the event loop is still taking in the rest of a burst (the
+        streamed response's body runs later, as a task of its own); whoever holds the stream must ``close`` it.
 
         Raises:
             ValueError: as ``check_request``, before anything is queued.
-            EngineDeadError: the stepping loop is not running, or stopped (or the server shut down) mid-request.
-            RuntimeError: the engine failed the request (the exception it raised, as the cause).
+            EngineDeadError: the stepping loop is not running.
         """
         self._check_running()
         params = self.check_request(prompt_token_ids, sampling_params)
@@ -291,25 +350,13 @@ class AsyncEngine:
         stream = self._streams[request_id] = _Stream(prompt_token_ids)
         self._num_unadded += 1
         self._send(("add", request_id, prompt_token_ids, params))
-        finished = False
-        try:
-            while True:
-                await stream.event.wait()
-                stream.event.clear()
-                if isinstance(stream.error, EngineDeadError):  # shut down, or the engine died: as is (a 503)
-                    raise stream.error
-                if stream.error is not None:
-                    raise RuntimeError(f"the engine failed this request: {stream.error}") from stream.error
-                output, stream.latest = stream.latest, None
-                if output is not None:
-                    finished = output.finished
-                    yield output
-                    if finished:
-                        return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(("abort", request_id))
+        return RequestStream(self, request_id, stream)
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        """A ``RequestStream`` is done with: forget it, and abort the request unless it finished."""
+        self._streams.pop(request_id, None)
+        if not finished:
+            self._send(("abort", request_id))
 
     def _send(self, command: tuple) -> None:
         """Hand a command to the stepping loop (its queue, or the engine process's pipe)."""

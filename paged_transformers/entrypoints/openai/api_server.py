@@ -98,7 +98,18 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
 def _respond(result) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+    return _SSEResponse(result, media_type="text/event-stream")
+
+
+class _SSEResponse(StreamingResponse):
+    """A streamed response that closes its body (``SSEStream.aclose``: its engine requests aborted unless they
+    finished) however it ends, also when it never sent a byte (the client left first)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def build_app(llm: LLM | AsyncEngine, served_model_names: list[str] | None = None, *, api_key: str | None = None,

@@ -4,7 +4,7 @@ import time
 from collections.abc import AsyncIterator
 
 from .protocol import ChatCompletionRequest
-from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_id, sse_frames, top_logprobs, usage
+from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_id, top_logprobs, usage
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -38,7 +38,8 @@ class OpenAIServingChat(OpenAIServing):
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request, request_id: str | None):
-        """The response body (a dict), or for ``stream=true`` an async iterator of SSE frames.
+        """The response body (a dict), or for ``stream=true`` its SSE frames (an ``SSEStream``: its requests already
+        handed to the engine).
 
         Raises:
             ServingError: a refused request (before anything runs).
@@ -52,7 +53,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.check_prompt(ids, self.sampling_params(request, len(ids), getattr(request, field), k, field))
         response_id, created = random_id("chatcmpl", request_id), int(time.time())
         if request.stream:
-            return sse_frames(self._stream(request, ids, params, response_id, created))
+            return self.stream_response([(ids, params)], response_id,
+                                        lambda streams: self._stream(request, ids, params, streams, response_id, created))
         (output,) = await self.run_to_end([(ids, params)], response_id, raw_request)
         choices = [{
             "index": comp.index, "message": {"role": "assistant", "content": comp.text},
@@ -62,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         return {"id": response_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage(len(ids), sum(len(c.token_ids) for c in output.outputs))}  # fmt: skip
 
-    async def _stream(self, request: ChatCompletionRequest, ids: list[int], params, response_id: str,
+    async def _stream(self, request: ChatCompletionRequest, ids: list[int], params, streams, response_id: str,
                       created: int) -> AsyncIterator[dict]:  # fmt: skip
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
@@ -73,7 +75,7 @@ class OpenAIServingChat(OpenAIServing):
             choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}  # fmt: skip
             yield {**head, "choices": [choice], **tail}
-        async for delta in self.stream_choices([(ids, params)], response_id):
+        async for delta in self.stream_choices([(ids, params)], streams):
             num_completion_tokens += len(delta.token_ids)
             if not delta.text and delta.finish_reason is None and delta.logprobs is None:
                 continue

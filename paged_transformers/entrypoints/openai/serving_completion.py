@@ -4,7 +4,7 @@ import time
 from collections.abc import AsyncIterator
 
 from .protocol import CompletionRequest
-from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_id, sse_frames, top_logprobs, usage
+from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_id, top_logprobs, usage
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -39,7 +39,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return prepared
 
     async def create_completion(self, request: CompletionRequest, raw_request, request_id: str | None):
-        """The response body (a dict), or for ``stream=true`` an async iterator of SSE frames.
+        """The response body (a dict), or for ``stream=true`` its SSE frames (an ``SSEStream``: its requests already
+        handed to the engine).
 
         Raises:
             ServingError: a refused request (before anything runs).
@@ -49,7 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id, created = random_id("cmpl", request_id), int(time.time())
         requests = [(ids, params) for ids, params, _ in prepared]
         if request.stream:
-            return sse_frames(self._stream(request, prepared, response_id, created))
+            return self.stream_response(requests, response_id,
+                                        lambda streams: self._stream(request, prepared, streams, response_id, created))
         outputs = await self.run_to_end(requests, response_id, raw_request)
         echo_only = request.echo_only
         choices, num_completion_tokens = [], 0
@@ -69,14 +71,15 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage(sum(len(ids) for ids, _ in requests), num_completion_tokens)}  # fmt: skip
 
-    async def _stream(self, request: CompletionRequest, prepared, response_id: str, created: int) -> AsyncIterator[dict]:
+    async def _stream(self, request: CompletionRequest, prepared, streams, response_id: str,
+                      created: int) -> AsyncIterator[dict]:  # fmt: skip
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         head = {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name}
         echo_only = request.echo_only
         echoed: set[int] = set()
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
         num_completion_tokens = 0
-        async for delta in self.stream_choices([(ids, params) for ids, params, _ in prepared], response_id):
+        async for delta in self.stream_choices([(ids, params) for ids, params, _ in prepared], streams):
             num_completion_tokens += 0 if echo_only else len(delta.token_ids)
             text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
             if request.echo and delta.index not in echoed:  # the choice's first chunk: the prompt's entries first

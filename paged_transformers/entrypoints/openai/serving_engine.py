@@ -2,12 +2,11 @@
 on the ``AsyncEngine`` with metrics and client-disconnect aborts, SSE framing, usage and logprobs helpers."""
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from ...integration.streaming import UNFINISHED, TextStream
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
-from ..async_engine import AsyncEngine, EngineDeadError
+from ..async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .metrics import ServerMetrics
 from .protocol import SamplingFields, error_body
 
@@ -58,6 +57,27 @@ async def sse_frames(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
         logger.exception("a streamed request failed")
         yield sse(error_body(500, str(e)))
     yield SSE_DONE
+
+
+class SSEStream:
+    """A streamed response's body: ``sse_frames`` of ``chunks``, with the engine requests it streams. ``aclose``
+    (which the server's response calls however it ends) aborts those that did not finish, also when the body never
+    started (a client that left before its response began), then closes the frames.
+
+    Args:
+        chunks: the response's chunks (dicts); close_requests: closes its requests (``close_streams``).
+    """
+
+    def __init__(self, chunks: AsyncIterator[dict], close_requests: Callable[[], None]):
+        self._frames = sse_frames(chunks)
+        self._close_requests = close_requests
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._frames
+
+    async def aclose(self) -> None:
+        self._close_requests()
+        await self._frames.aclose()
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
@@ -187,35 +207,59 @@ class OpenAIServing:
             error.param = error.param or ("prompt" if error.message.startswith("prompt") else None)
             raise error from e
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, log_id: str) -> AsyncIterator[RequestOutput]:
-        """The request's outputs from the engine. The token counters go up as outputs come (the prompt's with the
-        first, as vLLM counts them per step); the latency histograms are observed when it finishes."""
-        if self.log_requests:
-            logger.info("request %s: %d prompt tokens, %s", log_id, len(prompt_token_ids), params)
-        arrival, first, last, counted = time.perf_counter(), None, None, 0
-        try:
-            async with contextlib.aclosing(self.front.generate(prompt_token_ids, params)) as outputs:
-                async for output in outputs:
-                    generated = sum(len(c.token_ids) for c in output.outputs)
-                    self.metrics.record_tokens(0 if first else len(prompt_token_ids), generated - counted)
-                    first, last, counted = first or time.perf_counter(), output, generated
-                    yield output
-            self.metrics.record_finished(last, arrival, first, time.perf_counter())
-        finally:
-            if self.log_requests and (last is None or not last.finished):
-                logger.info("request %s aborted (its client disconnected, or the server is stopping)", log_id)
+    def add_requests(self, requests: list[tuple[list[int], SamplingParams]], log_id: str) -> list[RequestStream]:
+        """Hand ``(prompt token ids, params)`` requests to the engine now, from the request's handler: the engine has
+        them while the event loop takes in the rest of a burst, before the streamed response's body (a task of its
+        own) runs. The caller closes the streams (``close_streams``) however the response ends.
 
-    async def stream_choices(self, requests: list[tuple[list[int], SamplingParams]], log_id: str) -> AsyncIterator[ChoiceDelta]:
-        """Run ``(prompt token ids, params)`` requests together, yielding each choice's deltas as the engine makes
-        them, interleaved across choices; each choice's last delta has its ``finish_reason`` (exactly once).
-        Texts are detokenized here, on the event loop, by one ``TextStream`` per choice.
+        Raises:
+            EngineDeadError: the engine stopped (the requests handed over before it are aborted).
+        """
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, params) in enumerate(requests):
+                if self.log_requests:
+                    logger.info("request %s-%d: %d prompt tokens, %s", log_id, i, len(ids), params)
+                streams.append(self.front.add_request(ids, params))
+        except BaseException:
+            self.close_streams(streams, log_id)
+            raise
+        return streams
+
+    def close_streams(self, streams: list[RequestStream], log_id: str) -> None:
+        """Close the streams of ``add_requests``: a request that did not finish is aborted (its blocks freed) and
+        logged. Safe to call again."""
+        for i, stream in enumerate(streams):
+            if not stream.closed:
+                if self.log_requests and not stream.finished:
+                    logger.info("request %s-%d aborted (its client disconnected, or the server is stopping)", log_id, i)
+                stream.close()
+
+    async def outputs(self, stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[RequestOutput]:
+        """A handed-over request's outputs (they end early when its stream is closed). The token counters go up as
+        outputs come (the prompt's with the first, as vLLM counts them per step); the latency histograms are
+        observed when it finishes."""
+        first, last, counted = None, None, 0
+        async for output in stream:
+            generated = sum(len(c.token_ids) for c in output.outputs)
+            self.metrics.record_tokens(0 if first else num_prompt_tokens, generated - counted)
+            first, last, counted = first or time.perf_counter(), output, generated
+            yield output
+        if stream.finished:  # not when it was closed (aborted) first
+            self.metrics.record_finished(last, stream.arrival_time, first, time.perf_counter())
+
+    async def stream_choices(self, requests: list[tuple[list[int], SamplingParams]],
+                             streams: list[RequestStream]) -> AsyncIterator[ChoiceDelta]:  # fmt: skip
+        """The deltas of ``(prompt token ids, params)`` requests handed over as ``streams`` (``add_requests``), as
+        the engine makes them, interleaved across choices; each choice's last delta has its ``finish_reason``
+        (exactly once). Texts are detokenized here, on the event loop, by one ``TextStream`` per choice.
 
         Raises:
             RuntimeError: the engine failed a request or a sequence (its error as the cause).
         """
         texts: dict[int, TextStream] = {}
         sent: dict[int, int] = {}  # choice index -> output tokens sent; -1 once finished
-        iterators = [self.generate(ids, params, f"{log_id}-{i}") for i, (ids, params) in enumerate(requests)]
+        iterators = [self.outputs(stream, len(ids)) for stream, (ids, _) in zip(streams, requests)]
         async for i, output in merge(iterators):
             params = requests[i][1]
             for comp in output.outputs:
@@ -234,25 +278,42 @@ class OpenAIServing:
                 yield ChoiceDelta(index, i, text, new_ids, logprobs, comp.finish_reason,
                                   comp.stop_reason if comp.finished else None, output.prompt_logprobs)  # fmt: skip
 
+    def stream_response(self, requests: list[tuple[list[int], SamplingParams]], log_id: str,
+                        chunks: Callable[[list[RequestStream]], AsyncIterator[dict]]) -> "SSEStream":  # fmt: skip
+        """A streamed response: the requests handed over now (``add_requests``), and its body, ``chunks(streams)``'s
+        dicts as SSE frames (``sse_frames``), which closes the streams however it ends (``SSEStream``).
+
+        Raises:
+            EngineDeadError: as ``add_requests``.
+        """
+        streams = self.add_requests(requests, log_id)
+        return SSEStream(chunks(streams), lambda: self.close_streams(streams, log_id))
+
     async def run_to_end(self, requests: list[tuple[list[int], SamplingParams]], log_id: str, raw_request) -> list[RequestOutput]:
         """The final ``RequestOutput`` of each request, in order (a disconnect aborts them all).
 
         Raises:
             ClientDisconnected: the client went away first.
+            EngineDeadError: the engine stopped.
             RuntimeError: the engine failed a request or a sequence.
         """
+        streams = self.add_requests(requests, log_id)
 
-        async def last_output(i: int, ids: list[int], params: SamplingParams) -> RequestOutput:
-            async with contextlib.aclosing(self.generate(ids, params, f"{log_id}-{i}")) as outputs:
-                async for output in outputs:
-                    last = output
+        async def last_output(i: int, stream: RequestStream) -> RequestOutput:
+            async for output in self.outputs(stream, len(requests[i][0])):
+                last = output
             for comp in last.outputs:
                 if comp.error is not None:
                     raise RuntimeError(f"sequence {comp.index} of prompt {i} failed: {comp.error}") from comp.error
             return last
 
-        runs = asyncio.gather(*(last_output(i, ids, params) for i, (ids, params) in enumerate(requests)))
-        return await unless_disconnected(runs, raw_request)
+        tasks = [asyncio.ensure_future(last_output(i, stream)) for i, stream in enumerate(streams)]
+        try:
+            return await unless_disconnected(asyncio.gather(*tasks), raw_request)
+        finally:  # one failed, or the client left: the others stop too
+            for task in tasks:
+                task.cancel()
+            self.close_streams(streams, log_id)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as the logprobs report it."""
