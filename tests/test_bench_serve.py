@@ -69,3 +69,13 @@ def test_client_processes_are_checked_before_any_starts():
     for bad, concurrency in ((0, None), (True, None), (3, None), (2, 1)):
         with pytest.raises(ValueError, match="num_processes"):
             run_clients("http://127.0.0.1:9", "m", requests, 1.0, concurrency, 0, num_processes=bad)
+
+
+def test_the_cli_refuses_client_processes_over_the_requests_before_starting_a_server(tmp_path, capsys):
+    from paged_transformers.bench.serve import main
+
+    missing = str(tmp_path / "no-such-model")  # reached only if the counts were not checked first (an OSError)
+    for extra, named in ((["--num-requests", "4"], "--num-requests 4"), (["--max-concurrency", "2"], "--max-concurrency 2")):
+        with pytest.raises(SystemExit):
+            main(["--model", missing, "--device", "cpu", "--num-client-processes", "5", *extra])
+        assert named in capsys.readouterr().err

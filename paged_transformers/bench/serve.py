@@ -361,6 +361,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m paged_transformer
     args = parser.parse_args(argv)
     if args.num_client_processes < 1:
         parser.error(f"--num-client-processes must be at least 1, got {args.num_client_processes}")
+    if args.dataset is None and args.num_client_processes > args.num_requests:
+        parser.error(f"--num-client-processes {args.num_client_processes} is over --num-requests {args.num_requests}")
+    if args.max_concurrency and args.num_client_processes > args.max_concurrency:
+        parser.error(f"--num-client-processes {args.num_client_processes} is over --max-concurrency "
+                     f"{args.max_concurrency}")  # fmt: skip
     if args.compare_offline and args.base_url:
         parser.error("--compare-offline needs the server started here (--model, no --base-url)")
     report = run(args)
