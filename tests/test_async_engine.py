@@ -1,6 +1,7 @@
 """The server's engine front hands a request to the engine when it is added, not when its outputs are first read
-(``AsyncEngine.add_request``), and a request whose outputs are never read is aborted when its stream closes; a
-streamed response closes its body however it ends, also before it sends a byte."""
+(``AsyncEngine.add_request``; ``add_checked_request`` takes what ``check_request`` passed, as it was then), and a
+request whose outputs are never read is aborted when its stream closes; a streamed response closes its body however
+it ends, also before it sends a byte."""
 
 import asyncio
 import time
@@ -38,7 +39,16 @@ def test_a_request_runs_before_its_stream_is_read_and_closing_it_unread_frees_it
             unread.close()  # twice: a no-op
             await _until(lambda: front.snapshot.num_running == 0 and front.snapshot.kv_cache_usage == 0)
             assert front.num_waiting == 0
-            async for output in front.add_request(prompt, short):
+            # a server checks first (every prompt of a call) and hands the checked request over as it is
+            with pytest.raises(ValueError, match="vocabulary"):
+                front.check_request([front.limits.vocab_size], short)
+            checked = front.check_request(prompt, short)
+            prompt.append(0)  # the caller's list and params changed after the check do not reach the request
+            short.max_tokens = 1
+            with pytest.raises(TypeError, match="tuple"):
+                front.add_checked_request(tuple(checked))
+            assert front.num_waiting == 0
+            async for output in front.add_checked_request(checked):
                 last = output
             return last
         finally:
@@ -47,7 +57,11 @@ def test_a_request_runs_before_its_stream_is_read_and_closing_it_unread_frees_it
     try:
         streamed = asyncio.run(main())
         assert streamed.finished
-        (offline,) = llm.generate([prompt], short, use_tqdm=False)  # the same engine, offline: the reference
+        prompt.pop()
+        assert streamed.prompt_token_ids == prompt
+        reference = SamplingParams(temperature=0, max_tokens=8)
+        (offline,) = llm.generate([prompt], reference, use_tqdm=False)  # the same engine, offline: the reference
+        assert len(offline.outputs[0].token_ids) > 1
         assert streamed.outputs[0].token_ids == offline.outputs[0].token_ids
     finally:
         llm.close()

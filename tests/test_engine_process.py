@@ -91,6 +91,41 @@ def test_a_model_that_fails_to_load_raises_its_error_and_leaves_no_process(tmp_p
         time.sleep(0.1)
 
 
+def test_a_signal_while_the_engine_process_starts_reaches_the_handler_and_leaves_no_process(tmp_path, monkeypatch):
+    """SIGTERM arriving while ``process.start()`` runs (the child exists, its start not finished) is held back, not
+    lost: the handler sees it once the start is done, and the half-started engine process is killed."""
+    import os
+    import signal
+
+    from paged_transformers.entrypoints.async_engine import AsyncEngine
+
+    class Stopped(Exception):
+        pass
+
+    def stop(sig, frame):
+        raise Stopped(sig)
+
+    start = multiprocessing.get_context("spawn").Process.start
+
+    def start_then_signal(self):
+        start(self)
+        os.kill(os.getpid(), signal.SIGTERM)  # as a supervisor's SIGTERM in the middle of the spawn
+        time.sleep(0.2)  # time for it to arrive: it must not run the handler inside the start
+
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", start_then_signal)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(Stopped):  # ignored instead, the spawn would go on to fail to load the missing model
+            AsyncEngine.spawn(str(tmp_path / "no-such-model"), {"device": "cpu"})
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {signal.SIGINT, signal.SIGTERM}  # the hold is over
+    deadline = time.monotonic() + 10
+    while [p for p in multiprocessing.active_children() if p.name == "paged-transformers-engine"]:
+        assert time.monotonic() < deadline, "the engine process is still alive"
+        time.sleep(0.1)
+
+
 def test_a_bad_queue_limit_is_refused_before_any_process_starts():
     from paged_transformers.entrypoints.async_engine import AsyncEngine
 

@@ -5,8 +5,8 @@ engine attached for the front's whole life. Everything else talks to it through 
 
     event loop                                   stepping loop (a thread, or the engine process)
     ----------                                   -----------------------------------------------
-    add_request(): checks (read-only limits) ->  commands: ("add", id, ids, params) / ("abort", id) / ("stop",)
-                                                 apply the commands; engine.step(); snapshot the counters
+    add_request(): check_request() on the    ->  commands: ("add", id, ids, params) / ("abort", id) / ("stop",)
+    read-only limits, add_checked_request()      apply the commands; engine.step(); snapshot the counters
     per-request _Stream (latest output) <------  ("outputs", [RequestOutput, ...]) / ("snapshot", ...) / ...
 
 The loop runs in one of two places:
@@ -40,6 +40,8 @@ import queue
 import signal
 import threading
 import time
+from multiprocessing import resource_tracker
+from typing import NamedTuple
 
 from ..core.engine_inputs import check_sampling_params, validate_prompt
 from ..outputs import RequestOutput
@@ -47,7 +49,7 @@ from ..sampling_params import SamplingParams
 from .engine_process import PipeWriter, decode_message, run_engine_process
 from .step_loop import IDLE_POLL_S, EngineLimits, EngineSnapshot, StepLoop
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncEngine", "CheckedRequest", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError", "RequestStream"]
 
 logger = logging.getLogger("paged_transformers")
 
@@ -60,19 +62,43 @@ class EngineDeadError(RuntimeError):
     """The stepping loop stopped (it failed, or the front was shut down)."""
 
 
+class CheckedRequest(NamedTuple):
+    """A request that ``AsyncEngine.check_request`` passed, for ``AsyncEngine.add_checked_request`` (as vLLM's front
+    hands its engine a processed ``EngineCoreRequest``): its own copies, so changing the caller's list or params
+    later cannot reach it.
+
+    Fields:
+        prompt_token_ids: the prompt, token ids (``int``) inside the vocabulary, shorter than ``max_model_len``.
+        sampling_params: the checked copy of the request's ``SamplingParams``.
+    """
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
 @contextlib.contextmanager
-def _stop_signals_ignored():
-    """SIGINT and SIGTERM ignored meanwhile (in the main thread; elsewhere nothing changes): a process started now
-    starts with them ignored, before its interpreter could install a KeyboardInterrupt handler."""
+def _stop_signals_held():
+    """SIGINT and SIGTERM held back meanwhile (in the main thread; elsewhere nothing changes), as CPython starts its
+    resource tracker. Blocked, so that a process started now starts with them blocked: one that comes while its
+    interpreter starts and imports stays pending until ``run_engine_process`` ignores it (a KeyboardInterrupt
+    traceback otherwise). And one that comes to this process meanwhile is neither lost nor raised half-way through
+    the start: it reaches this process's own handler when the window ends (a thread that does not block it hands it
+    to a recorder, and it is raised again then)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    arrived: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: arrived.append(sig)) for sig in _STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         yield
     finally:
+        # one pending here is delivered now: to the recorder, or (once restored) to the process's own handler
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for sig in arrived[:1]:
+            signal.raise_signal(sig)
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -196,12 +222,15 @@ class AsyncEngine:
         conn, child_conn = context.Pipe()
         process = context.Process(target=run_engine_process, args=(child_conn, model, dict(llm_kwargs or {})),
                                   name="paged-transformers-engine", daemon=True)  # fmt: skip
-        # inherited: a terminal's Ctrl+C, or a SIGTERM to the process group (timeout, systemd), stops the server alone,
-        # which drains its requests and then stops the child (kill() when it must: the child ignores SIGTERM)
-        with _stop_signals_ignored():
-            process.start()
-        child_conn.close()
+        # the child's start is shielded from a terminal's Ctrl+C or a SIGTERM to the process group (timeout,
+        # systemd), which stop the server alone: it drains its requests, then stops the child (kill() when it must:
+        # the child ignores SIGTERM). The resource tracker (which CPython starts on the first spawn) first: its own
+        # start would end the hold early.
+        resource_tracker.ensure_running()
         try:
+            with _stop_signals_held():
+                process.start()
+            child_conn.close()
             message = None
             while message is None:
                 try:
@@ -216,8 +245,10 @@ class AsyncEngine:
                     else:
                         message = m
         except BaseException:  # interrupted while the model loads (a signal): the process goes too
-            process.kill()
-            process.join(30)
+            if process.pid is not None:
+                process.kill()
+                process.join(30)
+            child_conn.close()
             conn.close()
             raise
         if message[0] != "ready":
@@ -302,17 +333,21 @@ class AsyncEngine:
         return self.snapshot.num_waiting + self._num_unadded
 
     # -- requests (event loop) -----------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> SamplingParams:
+    def check_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> CheckedRequest:
         """What ``LLMEngine.add_request`` would refuse, checked here (on the engine's fixed limits) so that a bad
-        request is refused before it is handed to the stepping loop. Returns the request's own checked copy.
+        request is refused before it is handed to the stepping loop. Returns the request's checked copies, for
+        ``add_checked_request``: a server checks every prompt of a call before it hands any over, then hands them
+        over without checking again.
 
         Raises:
             ValueError: a bad prompt (``engine_inputs.validate_prompt``) or sampling parameters
                 (``engine_inputs.check_sampling_params``).
         """
         limits = self.limits
+        prompt_token_ids = list(prompt_token_ids)
         validate_prompt(prompt_token_ids, limits.vocab_size, limits.max_model_len, limits.config)
-        return check_sampling_params(sampling_params, limits.config, limits.vocab_size, self.tokenizer)
+        return CheckedRequest(prompt_token_ids,
+                              check_sampling_params(sampling_params, limits.config, limits.vocab_size, self.tokenizer))
 
     def check_admission(self) -> None:
         """Whether a new request is taken now. A server calls it as a request arrives, before its response starts
@@ -333,23 +368,33 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error else "the engine is not running")
 
     def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> "RequestStream":
-        """Check one request and hand it to the stepping loop now; its outputs come through the returned
-        ``RequestStream`` (vLLM's ``AsyncLLM.add_request`` and its output collector). A server hands a request over
-        in its handler, so that the engine has it while the event loop is still taking in the rest of a burst (the
-        streamed response's body runs later, as a task of its own); whoever holds the stream must ``close`` it.
+        """Check one request (``check_request``) and hand it to the stepping loop now (``add_checked_request``); its
+        outputs come through the returned ``RequestStream`` (vLLM's ``AsyncLLM.add_request`` and its output
+        collector). Whoever holds the stream must ``close`` it.
 
         Raises:
             ValueError: as ``check_request``, before anything is queued.
             EngineDeadError: the stepping loop is not running.
         """
+        return self.add_checked_request(self.check_request(prompt_token_ids, sampling_params))
+
+    def add_checked_request(self, request: CheckedRequest) -> "RequestStream":
+        """Hand a request that ``check_request`` returned to the stepping loop now, without checking it again. A
+        server hands a request over in its handler, so that the engine has it while the event loop is still taking in
+        the rest of a burst (the streamed response's body runs later, as a task of its own).
+
+        Raises:
+            TypeError: ``request`` is not a ``CheckedRequest``.
+            EngineDeadError: the stepping loop is not running.
+        """
+        if not isinstance(request, CheckedRequest):
+            raise TypeError(f"add_checked_request takes what check_request returns, got {type(request).__name__}")
         self._check_running()
-        params = self.check_request(prompt_token_ids, sampling_params)
         self._counter += 1
         request_id = str(self._counter)
-        prompt_token_ids = list(prompt_token_ids)
-        stream = self._streams[request_id] = _Stream(prompt_token_ids)
+        stream = self._streams[request_id] = _Stream(request.prompt_token_ids)
         self._num_unadded += 1
-        self._send(("add", request_id, prompt_token_ids, params))
+        self._send(("add", request_id, *request))
         return RequestStream(self, request_id, stream)
 
     def _release(self, request_id: str, finished: bool) -> None:

@@ -48,9 +48,11 @@ def run_engine_process(conn, model, llm_kwargs: dict) -> None:
     """The engine process: load ``LLM(model, **llm_kwargs)``, send ``("ready", limits, tokenizer, default params)``
     (or ``("dead", exception)``), then run the ``StepLoop`` on the pipe ``conn`` until ``("stop",)`` or the pipe
     closes. The server process handles SIGINT and SIGTERM (a graceful shutdown ends with ``stop``), so this one
-    ignores both (a terminal's Ctrl+C, or a SIGTERM to the process group, reaches both processes)."""
+    ignores both (a terminal's Ctrl+C, or a SIGTERM to the process group, reaches both processes); it started with
+    them blocked (``AsyncEngine.spawn``), and unblocks them once they are ignored (one that came meanwhile is dropped)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
     configure_logging()
     from .llm import LLM
 

@@ -3,6 +3,7 @@
 import time
 from collections.abc import AsyncIterator
 
+from ..async_engine import CheckedRequest
 from .protocol import ChatCompletionRequest
 from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_id, top_logprobs, usage
 
@@ -50,12 +51,13 @@ class OpenAIServingChat(OpenAIServing):
                           request.chat_template_kwargs)  # fmt: skip
         field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         k = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.check_prompt(ids, self.sampling_params(request, len(ids), getattr(request, field), k, field))
+        checked = self.check_prompt(ids, self.sampling_params(request, len(ids), getattr(request, field), k, field))
+        ids, params = checked
         response_id, created = random_id("chatcmpl", request_id), int(time.time())
         if request.stream:
-            return self.stream_response([(ids, params)], response_id,
-                                        lambda streams: self._stream(request, ids, params, streams, response_id, created))
-        (output,) = await self.run_to_end([(ids, params)], response_id, raw_request)
+            return self.stream_response([checked], response_id,
+                                        lambda streams: self._stream(request, checked, streams, response_id, created))
+        (output,) = await self.run_to_end([checked], response_id, raw_request)
         choices = [{
             "index": comp.index, "message": {"role": "assistant", "content": comp.text},
             "logprobs": self._logprobs(comp.token_ids, comp.logprobs, k),
@@ -64,8 +66,9 @@ class OpenAIServingChat(OpenAIServing):
         return {"id": response_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage(len(ids), sum(len(c.token_ids) for c in output.outputs))}  # fmt: skip
 
-    async def _stream(self, request: ChatCompletionRequest, ids: list[int], params, streams, response_id: str,
+    async def _stream(self, request: ChatCompletionRequest, checked: CheckedRequest, streams, response_id: str,
                       created: int) -> AsyncIterator[dict]:  # fmt: skip
+        ids, params = checked
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         tail = {"usage": None} if include_usage else {}
@@ -75,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
             choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}  # fmt: skip
             yield {**head, "choices": [choice], **tail}
-        async for delta in self.stream_choices([(ids, params)], streams):
+        async for delta in self.stream_choices([checked], streams):
             num_completion_tokens += len(delta.token_ids)
             if not delta.text and delta.finish_reason is None and delta.logprobs is None:
                 continue

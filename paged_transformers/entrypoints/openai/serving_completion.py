@@ -3,6 +3,7 @@
 import time
 from collections.abc import AsyncIterator
 
+from ..async_engine import CheckedRequest
 from .protocol import CompletionRequest
 from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_id, top_logprobs, usage
 
@@ -10,8 +11,9 @@ from .serving_engine import OpenAIServing, ServingError, clamp_logprob, random_i
 class OpenAIServingCompletion(OpenAIServing):
     """The completions handler (``OpenAIServing``'s arguments)."""
 
-    def prepare(self, request: CompletionRequest) -> list[tuple[list[int], object, str]]:
-        """Per prompt: ``(token ids, SamplingParams, prompt text)``, every check done before anything runs.
+    def prepare(self, request: CompletionRequest) -> list[tuple[CheckedRequest, str]]:
+        """Per prompt: ``(the checked request: token ids and SamplingParams, prompt text)``, every check done before
+        anything runs.
 
         Raises:
             ServingError: 404 / 400 (``check_request``), an empty prompt list, or a bad prompt (index named).
@@ -31,11 +33,11 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.sampling_params(request, len(ids), max_tokens, request.logprobs,
                                           prompt_logprobs=prompt_logprobs)
             try:
-                params = self.check_prompt(ids, params)
+                checked = self.check_prompt(ids, params)
             except ServingError as e:
                 raise ServingError(400, f"prompt {i}: {e.message}" if len(prompts) > 1 else e.message, e.param) from e
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids) if request.echo else ""
-            prepared.append((ids, params, text))
+            prepared.append((checked, text))
         return prepared
 
     async def create_completion(self, request: CompletionRequest, raw_request, request_id: str | None):
@@ -48,14 +50,14 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         prepared = self.prepare(request)
         response_id, created = random_id("cmpl", request_id), int(time.time())
-        requests = [(ids, params) for ids, params, _ in prepared]
+        requests = [checked for checked, _ in prepared]
         if request.stream:
             return self.stream_response(requests, response_id,
                                         lambda streams: self._stream(request, prepared, streams, response_id, created))
         outputs = await self.run_to_end(requests, response_id, raw_request)
         echo_only = request.echo_only
         choices, num_completion_tokens = [], 0
-        for i, (output, (_, params, _)) in enumerate(zip(outputs, prepared)):
+        for i, (output, ((_, params), _)) in enumerate(zip(outputs, prepared)):
             for comp in output.outputs:
                 text, token_ids, logprobs = comp.text, comp.token_ids, comp.logprobs
                 if request.echo:
@@ -79,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed: set[int] = set()
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
         num_completion_tokens = 0
-        async for delta in self.stream_choices([(ids, params) for ids, params, _ in prepared], streams):
+        async for delta in self.stream_choices([checked for checked, _ in prepared], streams):
             num_completion_tokens += 0 if echo_only else len(delta.token_ids)
             text, token_ids, logprobs = delta.text, delta.token_ids, delta.logprobs
             if request.echo and delta.index not in echoed:  # the choice's first chunk: the prompt's entries first
@@ -96,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       "stop_reason": None if echo_only else delta.stop_reason}  # fmt: skip
             yield {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
         if include_usage:
-            num_prompt_tokens = sum(len(ids) for ids, _, _ in prepared)
+            num_prompt_tokens = sum(len(ids) for (ids, _), _ in prepared)
             yield {**head, "choices": [], "usage": usage(num_prompt_tokens, num_completion_tokens)}
 
     @staticmethod
@@ -104,7 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """A choice's first ``(text, token ids, logprobs)`` with ``echo``: the prompt's (``prepared``: its ids and
         text), then the completion's (none with ``max_tokens=0``). The logprobs join ``prompt_logprobs`` (its first
         entry None) and the completion's; None when not asked for."""
-        ids, _, prompt_text = prepared
+        (ids, _), prompt_text = prepared
         if request.echo_only:
             text, token_ids, logprobs = "", [], []
         return prompt_text + text, ids + token_ids, None if prompt_logprobs is None else prompt_logprobs + logprobs

@@ -14,7 +14,7 @@ import torch
 from ...integration.streaming import UNFINISHED, TextStream
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
-from ..async_engine import AsyncEngine, EngineDeadError, RequestStream
+from ..async_engine import AsyncEngine, CheckedRequest, EngineDeadError, RequestStream
 from .metrics import ServerMetrics
 from .protocol import SamplingFields, error_body
 
@@ -198,8 +198,9 @@ class OpenAIServing:
             raise ServingError(400, f"logit_bias has token ids outside the vocabulary [0, {vocab_size})", "logit_bias")
         return LogitBias(ids, [min(100.0, max(-100.0, v)) for v in logit_bias.values()])
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """The engine's own checks on one prompt, as a 400 (``AsyncEngine.check_request``)."""
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """The engine's own checks on one prompt, as a 400 (``AsyncEngine.check_request``); the checked request is
+        handed over as it is (``add_requests``)."""
         try:
             return self.front.check_request(prompt_token_ids, params)
         except ValueError as e:
@@ -207,20 +208,22 @@ class OpenAIServing:
             error.param = error.param or ("prompt" if error.message.startswith("prompt") else None)
             raise error from e
 
-    def add_requests(self, requests: list[tuple[list[int], SamplingParams]], log_id: str) -> list[RequestStream]:
-        """Hand ``(prompt token ids, params)`` requests to the engine now, from the request's handler: the engine has
-        them while the event loop takes in the rest of a burst, before the streamed response's body (a task of its
-        own) runs. The caller closes the streams (``close_streams``) however the response ends.
+    def add_requests(self, requests: list[CheckedRequest], log_id: str) -> list[RequestStream]:
+        """Hand requests that ``check_prompt`` passed to the engine now, without checking them again, from the
+        request's handler: the engine has them while the event loop takes in the rest of a burst, before the streamed
+        response's body (a task of its own) runs. The caller closes the streams (``close_streams``) however the
+        response ends.
 
         Raises:
             EngineDeadError: the engine stopped (the requests handed over before it are aborted).
         """
         streams: list[RequestStream] = []
         try:
-            for i, (ids, params) in enumerate(requests):
+            for i, request in enumerate(requests):
                 if self.log_requests:
-                    logger.info("request %s-%d: %d prompt tokens, %s", log_id, i, len(ids), params)
-                streams.append(self.front.add_request(ids, params))
+                    logger.info("request %s-%d: %d prompt tokens, %s", log_id, i, len(request.prompt_token_ids),
+                                request.sampling_params)
+                streams.append(self.front.add_checked_request(request))
         except BaseException:
             self.close_streams(streams, log_id)
             raise
@@ -248,9 +251,9 @@ class OpenAIServing:
         if stream.finished:  # not when it was closed (aborted) first
             self.metrics.record_finished(last, stream.arrival_time, first, time.perf_counter())
 
-    async def stream_choices(self, requests: list[tuple[list[int], SamplingParams]],
+    async def stream_choices(self, requests: list[CheckedRequest],
                              streams: list[RequestStream]) -> AsyncIterator[ChoiceDelta]:  # fmt: skip
-        """The deltas of ``(prompt token ids, params)`` requests handed over as ``streams`` (``add_requests``), as
+        """The deltas of ``requests`` handed over as ``streams`` (``add_requests``), as
         the engine makes them, interleaved across choices; each choice's last delta has its ``finish_reason``
         (exactly once). Texts are detokenized here, on the event loop, by one ``TextStream`` per choice.
 
@@ -278,7 +281,7 @@ class OpenAIServing:
                 yield ChoiceDelta(index, i, text, new_ids, logprobs, comp.finish_reason,
                                   comp.stop_reason if comp.finished else None, output.prompt_logprobs)  # fmt: skip
 
-    def stream_response(self, requests: list[tuple[list[int], SamplingParams]], log_id: str,
+    def stream_response(self, requests: list[CheckedRequest], log_id: str,
                         chunks: Callable[[list[RequestStream]], AsyncIterator[dict]]) -> "SSEStream":  # fmt: skip
         """A streamed response: the requests handed over now (``add_requests``), and its body, ``chunks(streams)``'s
         dicts as SSE frames (``sse_frames``), which closes the streams however it ends (``SSEStream``).
@@ -289,7 +292,7 @@ class OpenAIServing:
         streams = self.add_requests(requests, log_id)
         return SSEStream(chunks(streams), lambda: self.close_streams(streams, log_id))
 
-    async def run_to_end(self, requests: list[tuple[list[int], SamplingParams]], log_id: str, raw_request) -> list[RequestOutput]:
+    async def run_to_end(self, requests: list[CheckedRequest], log_id: str, raw_request) -> list[RequestOutput]:
         """The final ``RequestOutput`` of each request, in order (a disconnect aborts them all).
 
         Raises:
