@@ -283,6 +283,8 @@ def interleaved_runs(args, vocab_size: int) -> dict:
         cpu = {**cpu_delta(counters, cpu_counters()), "this_process": threads_delta(os.getpid(), threads, thread_counters(os.getpid()))}
         offline["runs"][name] = {**result, **steps.take(), "cpu": cpu,
                                  "kernel_variants_compiled": new_kernels(before, compile_counts())}
+        # now, not only in the last table: a call cut off by its time limit still shows the runs it finished
+        print(f"offline {name}: {result['output_throughput']:.1f} out tok/s", flush=True)
 
     try:
         server["server_start_s"] = wait_healthy(url, server_proc, 300)
