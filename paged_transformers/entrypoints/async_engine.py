@@ -49,7 +49,8 @@ from ..sampling_params import SamplingParams
 from .engine_process import PipeWriter, decode_message, run_engine_process
 from .step_loop import IDLE_POLL_S, EngineLimits, EngineSnapshot, StepLoop
 
-__all__ = ["AsyncEngine", "CheckedRequest", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncEngine", "CheckedRequest", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError",
+           "RequestStream"]
 
 logger = logging.getLogger("paged_transformers")
 
