@@ -46,7 +46,7 @@ from typing import NamedTuple
 from ..core.engine_inputs import check_sampling_params, validate_prompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .engine_process import PipeWriter, decode_message, run_engine_process
+from .engine_process import STOP_SIGNALS, PipeWriter, decode_message, run_engine_process
 from .step_loop import IDLE_POLL_S, EngineLimits, EngineSnapshot, StepLoop
 
 __all__ = ["AsyncEngine", "CheckedRequest", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError",
@@ -89,8 +89,8 @@ def _stop_signals_held():
         yield
         return
     arrived: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, frame: arrived.append(sig)) for sig in _STOP_SIGNALS}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    previous = {sig: signal.signal(sig, lambda sig, frame: arrived.append(sig)) for sig in STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
@@ -100,9 +100,6 @@ def _stop_signals_held():
             signal.signal(sig, handler)
         for sig in arrived[:1]:
             signal.raise_signal(sig)
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Stream:

@@ -44,15 +44,18 @@ def freeze_gc_heap() -> None:
     gc.freeze()
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # the server's to act on; the engine process ignores them
+
+
 def run_engine_process(conn, model, llm_kwargs: dict) -> None:
     """The engine process: load ``LLM(model, **llm_kwargs)``, send ``("ready", limits, tokenizer, default params)``
     (or ``("dead", exception)``), then run the ``StepLoop`` on the pipe ``conn`` until ``("stop",)`` or the pipe
     closes. The server process handles SIGINT and SIGTERM (a graceful shutdown ends with ``stop``), so this one
     ignores both (a terminal's Ctrl+C, or a SIGTERM to the process group, reaches both processes); it started with
     them blocked (``AsyncEngine.spawn``), and unblocks them once they are ignored (one that came meanwhile is dropped)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     configure_logging()
     from .llm import LLM
 

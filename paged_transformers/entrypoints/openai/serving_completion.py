@@ -29,7 +29,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.logprobs if request.echo else None
         prepared = []
         for i, prompt in enumerate(prompts):
-            ids = list(self.tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+            ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt  # check_prompt copies it
             params = self.sampling_params(request, len(ids), max_tokens, request.logprobs,
                                           prompt_logprobs=prompt_logprobs)
             try:
