@@ -24,11 +24,15 @@ The ``"torch"`` backend (CPU's path), ``torch_attention.paged_attention_torch`` 
 the same contracts and attends the whole ragged batch in batched ops; it is tested against the references.
 Whether a backend can be captured in a CUDA graph is declared by ``attention.AttentionOps.graph_capturable``.
 
+``compile_only()`` turns launches into compiles without a run, in a pool of threads, for the engine's dummy warm-up
+forwards (``_launch.py``).
+
 Importing this package imports neither triton nor a ``@triton.jit`` kernel: they load on the first
 launch (see ``_launch.py`` for why).
 """
 
+from ._launch import compile_only
 from .cache_ops import reshape_and_cache, reshape_and_cache_ref
 from .paged_attention import paged_attention, paged_attention_ref
 
-__all__ = ["reshape_and_cache", "reshape_and_cache_ref", "paged_attention", "paged_attention_ref"]
+__all__ = ["compile_only", "reshape_and_cache", "reshape_and_cache_ref", "paged_attention", "paged_attention_ref"]

@@ -14,10 +14,18 @@ another kernel module of this package, must not fix that choice; and the PyTorch
 triton installed.
 """
 
+import contextlib
+import contextvars
 import functools
 import importlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+# True inside ``compile_only()`` (a context variable: the thread and context that entered it, nothing else)
+_COMPILE_ONLY = contextvars.ContextVar("paged_transformers_compile_only", default=False)
+COMPILE_THREADS = 8  # most threads ``compile_only`` compiles in (ptxas and the MLIR passes use one core each)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,6 +48,9 @@ def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
 def load_triton_kernels(module: str, device: torch.device):
     """Import the kernel module ``module`` of this package, checking that it can run on ``device``.
 
+    Inside ``compile_only()``, on CUDA, the module comes wrapped so that its kernels' launches compile and do not
+    run (``_CompileOnlyKernels``).
+
     Raises:
         RuntimeError: triton is not installed, or ``device`` is not CUDA and the kernels were not
             defined under the interpreter (``TRITON_INTERPRET=1`` set before their first use).
@@ -57,7 +68,66 @@ def load_triton_kernels(module: str, device: torch.device):
                 "before the first Triton launch of paged_transformers.kernels in this process (or use the PyTorch "
                 "reference, attention_backend='torch')"
             )
+    elif _COMPILE_ONLY.get():
+        return _CompileOnlyKernels(mod)
     return mod
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Inside, a launch of this package's Triton kernels on CUDA compiles the kernel variant it needs (its
+    specialization: constexprs, dtypes, alignment and the int arguments' classes) in a pool of threads and returns
+    without running: its outputs are left unwritten. Leaving waits for every compile; later launches of those
+    variants find them compiled.
+
+    For dummy forwards whose results are thrown away: the engine's compile warm-ups (``ModelRunner._compile``), where
+    Dynamo and Inductor keep the main thread busy for seconds and each of our kernels' JIT compiles took 0.3-1.5 s
+    after them. Triton's compile releases the GIL for its MLIR passes and ptxas, so the variants compile beside the
+    tracing, several at a time (Triton's ``AsyncCompileMode``, which Triton >= 3.4 has). On the CPU (the
+    interpreter compiles nothing) and with an older Triton, launches run as outside.
+
+    Not reentrant: a nested ``compile_only`` raises ``RuntimeError`` (Triton's mode allows one at a time).
+    """
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # no triton (the CPU reference paths) or one without the async mode: nothing to defer
+        yield
+        return
+    if _COMPILE_ONLY.get():
+        raise RuntimeError("compile_only() is already active in this context")
+    threads = min(COMPILE_THREADS, os.cpu_count() or 1)
+    # the mode exits first: it waits for the compiles and installs them in the kernels' caches
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool):
+        token = _COMPILE_ONLY.set(True)
+        try:
+            yield
+        finally:
+            _COMPILE_ONLY.reset(token)
+
+
+class _CompileOnlyKernels:
+    """A kernel module seen through ``compile_only``: ``mod.kernel[grid](*args, **kwargs)`` becomes
+    ``mod.kernel.warmup(*args, grid=grid, **kwargs)`` (compile, no launch); other attributes pass through."""
+
+    def __init__(self, mod):
+        self._mod = mod
+
+    def __getattr__(self, name: str):
+        value = getattr(self._mod, name)
+        warmup = getattr(value, "warmup", None)
+        if warmup is None:
+            return value
+        return _GridIndexable(warmup)
+
+
+class _GridIndexable:
+    """``[grid]`` -> ``warmup`` with that grid, as a JIT function's ``[grid]`` gives its launcher."""
+
+    def __init__(self, warmup):
+        self._warmup = warmup
+
+    def __getitem__(self, grid):
+        return functools.partial(self._warmup, grid=grid)
 
 
 def _kernels_of(mod) -> list:

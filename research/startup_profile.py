@@ -4,9 +4,15 @@ the decode speed the engine then has (batch 1 and 64), so that a start-up saving
 
     TORCH_LOGS=recompiles python research/startup_profile.py --out DIR   # on the GPU machine, twice (cold, warm cache)
 
-Each report has the construction's Inductor / AOTAutograd cache hits and misses. ``--specialize-one`` traces as the
-tree before ``compile.tracing_settings`` did (the row count 1 specialized, duck shapes on): the comparison behind
-that setting. ``--cprofile`` also writes the construction's cProfile (top 60).
+Each report has the construction's Inductor / AOTAutograd cache hits and misses, and how many variants of our Triton
+kernels were compiled during the construction and during each call after it. ``--variant before-compile-only``
+restores the warm-ups of the tree before ``kernels.compile_only`` (decode steps of 1 and 2 sequences and a 3-token
+prompt, our kernels compiled one at a time in the main thread when first launched): the A/B of ``gpu_startup_ab.sh``.
+``--variant eager-graphs``: ``EngineConfig(compile_layers=False)``, the eager layers in decode CUDA graphs (no
+Inductor, no fused projections): what a start without torch.compile costs in decode speed. ``--inductor-option
+NAME=VALUE`` (repeatable) adds an Inductor option to the layers' compile (``gpu_startup_inductor.sh``'s sweep).
+``--specialize-one`` traces as the tree before ``compile.tracing_settings`` did (the row count 1 specialized, duck
+shapes on): the comparison behind that setting. ``--cprofile`` also writes the construction's cProfile (top 60).
 """
 
 import argparse
@@ -39,7 +45,27 @@ def main() -> None:
     parser.add_argument("--tag", default="run")
     parser.add_argument("--specialize-one", action="store_true")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--variant", choices=("tree", "before-compile-only", "eager-graphs"), default="tree")
+    parser.add_argument("--inductor-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an Inductor option on top of compilation.layers.INDUCTOR_OPTIONS (True/False/int)")
     args = parser.parse_args()
+    if args.inductor_option:
+        from paged_transformers.compilation import layers as layers_mod
+
+        for item in args.inductor_option:
+            name, value = item.split("=", 1)
+            layers_mod.INDUCTOR_OPTIONS = {**layers_mod.INDUCTOR_OPTIONS, name: eval(value)}
+    if args.variant == "before-compile-only":
+        import contextlib
+
+        from paged_transformers.core import runner as runner_mod
+
+        def old_warmups(self):
+            warmups = [lambda n=n: self._forward(*self._dummy_step(n)) for n in (1, min(2, self.max_num_seqs))]
+            return warmups + [lambda: self._forward(*self._dummy_prefill(3))]
+
+        runner_mod.compile_only = contextlib.nullcontext
+        runner_mod.ModelRunner._warmups = old_warmups
     if args.specialize_one:
         import torch.fx.experimental._config as fx_config
 
@@ -65,6 +91,17 @@ def main() -> None:
     timed(runner_mod.ModelRunner, "_compile")
     timed(cuda_graphs_mod.DecodeGraphs, "record")
     timed(runner_mod.ModelRunner, "_forward")
+    from paged_transformers.kernels import _launch
+
+    def our_variants() -> int:  # compiled variants of our Triton kernels in this process
+        import sys
+
+        device = torch.cuda.current_device()
+        mods = [m for name, m in sys.modules.items() if name.startswith("paged_transformers.kernels.")
+                and name.endswith("_kernels")]
+        return sum(len(k.device_caches[device][0]) for m in mods for k in _launch._kernels_of(m)
+                   if device in k.device_caches)
+
     t0 = time.perf_counter()
     model = build_model(args.model, torch.bfloat16, "cuda")
     report = {"build_model_s": time.perf_counter() - t0}
@@ -75,8 +112,11 @@ def main() -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     t0 = time.perf_counter()
-    engine_for(model, engine_config=EngineConfig())
+    engine_for(model, engine_config=EngineConfig(compile_layers=False) if args.variant == "eager-graphs" else EngineConfig())
     report["construction_s"] = time.perf_counter() - t0
+    report["variant"] = args.variant
+    report["inductor_options"] = args.inductor_option
+    report["our_kernel_variants"] = {"construction": our_variants()}
     if profiler is not None:
         import io
         import pstats
@@ -97,13 +137,17 @@ def main() -> None:
         t0 = time.perf_counter()
         paged_generate(model, [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         report[name + "_s"] = time.perf_counter() - t0
+        report["our_kernel_variants"][name] = our_variants()
         report[name + "_phases"] = dict(TIMES)
         TIMES.clear()
     for batch, new in ((1, 128), (64, 64)):  # decode speed: graph steps dominate these calls
         prompts = [torch.randint(0, 1000, (128,)).tolist() for _ in range(batch)]
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        paged_generate(model, prompts, params, use_tqdm=False)
+        t0 = time.perf_counter()
+        paged_generate(model, prompts, params, use_tqdm=False)  # the first call of this batch: graph captures
         torch.cuda.synchronize()
+        report[f"b{batch}_first_call_s"] = time.perf_counter() - t0
+        report["our_kernel_variants"][f"b{batch}_first_call"] = our_variants()
         t0 = time.perf_counter()
         paged_generate(model, prompts, params, use_tqdm=False)
         report[f"b{batch}_ms_per_step"] = (time.perf_counter() - t0) / new * 1e3

@@ -20,7 +20,8 @@ import torch
 
 from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata, AttentionOps
-from .draw import host_to_device
+from ..kernels import compile_only
+from .draw import argmax, host_to_device
 from ..integration.compat import attn_implementation
 from .input_batch import InputBatch
 from .kv_pool import KVPool
@@ -28,6 +29,11 @@ from .messages import SchedulerOutput
 from .weights import WeightsChange
 
 logger = logging.getLogger(__name__)
+
+# Tokens of the dummy prompt step of the compile warm-ups: more query rows than the attention's decode tile holds (16
+# rows of query heads: 16 // (query heads per KV head) tokens), so that it takes the prefill tile as real prompts do.
+WARMUP_PROMPT_TOKENS = 17
+
 
 @dataclass(slots=True)
 class StepTrace:
@@ -89,7 +95,9 @@ class ModelRunner:
         compile_layers: ``torch.compile`` the decoder layers around the attention (``compilation/layers.py``);
             None: exactly when decode graphs are used. Compiled at construction by dummy forwards
             (``_compile``); a compile error leaves the layers eager and is recorded in
-            ``compilation.compile_error``. The runner is constructed attached (its forwards installed).
+            ``compilation.compile_error``. The runner is constructed attached (its forwards installed). Eager
+            layers on CUDA run the same dummy forwards to compile our Triton kernels' variants
+            (``_precompile_kernels``).
         fuse_projections: fuse q|k|v and gate|up into one GEMM each inside the compiled layers
             (``compilation/fusion.py``); None: exactly when layers are compiled. Undone on ``release``.
         cpu_prepack_weights: ``EngineConfig.cpu_prepack_weights`` for the oneDNN CPU projections (below).
@@ -152,6 +160,8 @@ class ModelRunner:
         if self.device.type == "cpu" and not self.compiled and cpu_linear.available():
             # eager fp32 projections through oneDNN (cpu_linear.py)
             self.cpu_linears = cpu_linear.RoutedLinears(model, prepack=cpu_prepack_weights)
+        if self.device.type == "cuda" and not compile_on:
+            self._precompile_kernels()
 
     @property
     def compiled(self) -> bool:
@@ -239,14 +249,45 @@ class ModelRunner:
         return (T, 1, 1, T, self.max_model_len)
 
     def _compile(self, fuse: bool) -> None:
-        """Compile the layers now (``Compilation.compile``). The dummy forwards trace the graphs the first real
-        steps need, so that no call recompiles: decode steps of one and of two sequences, and a prompt step of
-        three tokens with one row sampled (the LM head then gets an index). Under ``layers.tracing_settings`` all
-        three run the same graphs, one per layer piece."""
-        warmups = [lambda n=n: self._forward(*self._dummy_step(n)) for n in (1, min(2, self.max_num_seqs))]
+        """Compile the layers now (``Compilation.compile``). The dummy forwards (``_warmups``) trace the graphs the
+        first real steps need, so that no call recompiles, and run under ``kernels.compile_only``: our Triton
+        kernels are compiled, not run, in threads beside Dynamo and Inductor (the JIT of each variant took 0.3-1.5 s
+        of the main thread after them; their outputs are thrown away here)."""
+        with compile_only():
+            self.compilation.compile(fuse, self._warmups())
+
+    @torch.inference_mode()
+    def _precompile_kernels(self) -> None:
+        """Eager layers on CUDA: the dummy forwards of ``_warmups`` under ``kernels.compile_only``, so that our Triton
+        kernels' variants compile in threads now, several at a time, instead of one after another in the first calls
+        (H200, Llama-3-8B shape: seven variants, 6 s of the first call). An error there is logged and left to the
+        first call that meets it, as without this."""
+        try:
+            with compile_only():
+                for warmup in self._warmups():
+                    warmup()
+        except Exception as e:
+            logger.warning("paged_transformers: compiling the kernels ahead failed, they compile when first used: %s: %s",
+                           type(e).__name__, e)
+
+    def _warmups(self) -> list:
+        """The dummy forwards of ``_compile`` and ``_precompile_kernels``: decode steps of one and of two sequences and a prompt step of
+        ``WARMUP_PROMPT_TOKENS`` tokens with one row sampled (the LM head then gets an index), which under
+        ``layers.tracing_settings`` all run the same graphs, one per layer piece. They also reach the kernel variants
+        the first calls would otherwise compile: the prompt step has more rows than a decode tile holds (the
+        attention's prefill tile) and its logits go through the greedy argmax; with decode graphs a decode step runs
+        for every power-of-two bucket (the split-KV merge kernel is specialized on the number of splits, a power of
+        two that follows the batch size; the W4A16 kernels on the row count's divisibility)."""
+        sizes = [1, min(2, self.max_num_seqs)]
+        if self.graphs is not None:
+            sizes += [s for s in self.graphs.sizes if s > 2 and s & (s - 1) == 0]
+        warmups = [lambda n=n: self._forward(*self._dummy_step(n)) for n in dict.fromkeys(sizes)]
         if self.max_num_tokens >= 3:
-            warmups.append(lambda: self._forward(*self._dummy_prefill(3)))
-        self.compilation.compile(fuse, warmups)
+            T = min(WARMUP_PROMPT_TOKENS, self.max_num_tokens)
+            vocab_size = self.model.config.get_text_config().vocab_size
+            # the sampler's view of the logits (execute's float(), Sampler.launch's slice)
+            warmups.append(lambda: argmax(self._forward(*self._dummy_prefill(T))[0].float()[:, :vocab_size]))
+        return warmups
 
     def attach(self) -> None:
         """Install the compiled forwards and fused projections in the model (``Compilation.apply``)."""

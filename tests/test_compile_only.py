@@ -1,0 +1,101 @@
+"""``kernels.compile_only``: launches inside it compile their kernel variant without running (CUDA), or run as
+outside (the CPU's interpreter); the engine's compile warm-ups leave the first calls nothing to compile (CUDA)."""
+
+import types
+
+import pytest
+import torch
+
+from paged_transformers.kernels import _launch, compile_only
+from paged_transformers.kernels.argmax import argmax_rows
+
+CUDA = torch.cuda.is_available()
+
+
+class _FakeKernel:
+    """Records how it was called: ``[grid](...)`` (a launch) or ``warmup(..., grid=)`` (a compile)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(("launch", grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("warmup", grid, args, kwargs))
+
+
+def test_a_wrapped_module_turns_launches_into_warmups_and_passes_the_rest():
+    kernel = _FakeKernel()
+    mod = types.SimpleNamespace(_k=kernel, BLOCK=64)
+    wrapped = _launch._CompileOnlyKernels(mod)
+    wrapped._k[(3, 2)](1, "x", BLOCK_N=16, num_warps=4)
+    assert kernel.calls == [("warmup", (3, 2), (1, "x"), {"BLOCK_N": 16, "num_warps": 4})]
+    assert wrapped.BLOCK == 64
+
+
+def test_not_reentrant():
+    pytest.importorskip("triton.runtime._async_compile")
+    with compile_only():
+        with pytest.raises(RuntimeError, match="already active"):
+            with compile_only():
+                pass
+    with compile_only():  # usable again once left
+        pass
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU's behaviour: the interpreter compiles nothing, so launches run")
+def test_cpu_launches_run_inside():
+    x = torch.randn(3, 40)
+    with compile_only():
+        assert not isinstance(_launch.load_triton_kernels("argmax.triton_kernels", x.device),
+                              _launch._CompileOnlyKernels)
+        got = argmax_rows(x, block=16)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def _compiled_variants(module: str) -> int:
+    """Compiled (or compiling) variants of the kernels of ``paged_transformers.kernels.<module>`` on this GPU."""
+    mod = _launch.load_triton_kernels(module, torch.device("cuda"))
+    device = torch.cuda.current_device()
+    return sum(len(k.device_caches[device][0]) for k in _launch._kernels_of(mod) if device in k.device_caches)
+
+
+@pytest.mark.skipif(not CUDA, reason="compiles for a GPU")
+def test_cuda_a_launch_inside_compiles_without_running():
+    x = torch.randn(5, 3000, device="cuda") * 7  # a row length no other test uses: a new variant
+    before = _compiled_variants("argmax.triton_kernels")
+    with compile_only():
+        argmax_rows(x, block=1024)
+    assert _compiled_variants("argmax.triton_kernels") == before + 2  # chunk and merge kernels
+    assert torch.equal(argmax_rows(x, block=1024), x.argmax(dim=-1))  # compiled: launched now, nothing new
+    assert _compiled_variants("argmax.triton_kernels") == before + 2
+
+
+@pytest.mark.skipif(not CUDA, reason="the engine's CUDA path: decode graphs, Triton")
+@pytest.mark.parametrize("compile_layers, hidden_size, vocab_size", [(True, 256, 1000), (False, 384, 1200)])
+def test_cuda_first_calls_compile_no_kernel_of_ours(compile_layers, hidden_size, vocab_size):
+    """The construction leaves the first prompt steps and decode buckets nothing of ours to compile, with compiled
+    layers and with eager ones; each case has a head size and vocabulary of its own, so that its kernel variants are
+    new in this process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged_transformers import EngineConfig, LLMEngine, SamplingParams
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    modules = ("paged_attention.triton_kernels", "cache_ops.triton_kernels", "argmax.triton_kernels",
+               "gemv.triton_kernels")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    config = EngineConfig(max_model_len=1024, max_num_seqs=16, compile_layers=compile_layers)
+    with LLMEngine(model, engine_config=config) as engine:
+        assert engine.runner.compiled == compile_layers and engine.runner.graphs is not None
+        after_construction = {m: _compiled_variants(m) for m in modules}
+        for batch in (1, 2, 3, 16):  # prompt steps, then decode graphs of the buckets 1, 2, 4, 16
+            for i in range(batch):
+                engine.add_request(f"{batch}-{i}", list(range(1, 40 + i)), params)
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert {m: _compiled_variants(m) for m in modules} == after_construction
