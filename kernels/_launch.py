@@ -18,10 +18,13 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+logger = logging.getLogger("paged_transformers")
 
 # True inside ``compile_only()`` (a context variable: the thread and context that entered it, nothing else)
 _COMPILE_ONLY = contextvars.ContextVar("paged_transformers_compile_only", default=False)
@@ -80,29 +83,45 @@ def compile_only():
     without running: its outputs are left unwritten. Leaving waits for every compile; later launches of those
     variants find them compiled.
 
-    For dummy forwards whose results are thrown away: the engine's compile warm-ups (``ModelRunner._compile``), where
-    Dynamo and Inductor keep the main thread busy for seconds and each of our kernels' JIT compiles took 0.3-1.5 s
-    after them. Triton's compile releases the GIL for its MLIR passes and ptxas, so the variants compile beside the
-    tracing, several at a time (Triton's ``AsyncCompileMode``, which Triton >= 3.4 has). On the CPU (the
-    interpreter compiles nothing) and with an older Triton, launches run as outside.
+    For dummy forwards whose results are thrown away: the engine's warm-ups (``ModelRunner._compile`` /
+    ``_precompile_kernels``), where Dynamo and Inductor keep the main thread busy for seconds and each of our kernels'
+    JIT compiles took 0.3-1.5 s after them. Triton's compile releases the GIL for its MLIR passes and ptxas, so the
+    variants compile beside the tracing, several at a time (Triton's ``AsyncCompileMode``, in Triton >= 3.5). On the
+    CPU (the interpreter compiles nothing), with an older Triton, or inside a Triton async mode of the caller's own,
+    launches run as outside.
 
-    Not reentrant: a nested ``compile_only`` raises ``RuntimeError`` (Triton's mode allows one at a time).
+    A variant whose compile fails is logged here; its launches raise that error later, as without this.
+
+    Raises:
+        RuntimeError: nested in another ``compile_only`` (with Triton's async mode; its mode allows one at a time).
     """
     try:
-        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
     except ImportError:  # no triton (the CPU reference paths) or one without the async mode: nothing to defer
         yield
         return
     if _COMPILE_ONLY.get():
         raise RuntimeError("compile_only() is already active in this context")
-    threads = min(COMPILE_THREADS, os.cpu_count() or 1)
-    # the mode exits first: it waits for the compiles and installs them in the kernels' caches
-    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool):
-        token = _COMPILE_ONLY.set(True)
+    if active_mode.get() is not None:  # the caller's own async compiles: leave them alone
+        yield
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    pool = ThreadPoolExecutor(min(COMPILE_THREADS, cores), thread_name_prefix="triton-compile")
+    mode = AsyncCompileMode(pool)
+    mode.__enter__()
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
         try:
-            yield
+            mode.__exit__(None, None, None)  # waits for the compiles, installs them in the kernels' caches
+        except Exception as e:  # the failed variant stays pending in its kernel's cache and raises at its launch
+            logger.warning("paged_transformers: a Triton kernel variant failed to compile ahead: %s: %s",
+                           type(e).__name__, e)
         finally:
-            _COMPILE_ONLY.reset(token)
+            active_mode.set(None)  # Triton 3.5/3.6 leave it set when a compile failed
+            pool.shutdown(wait=True)
 
 
 class _CompileOnlyKernels:

@@ -63,7 +63,7 @@ def _compiled_variants(module: str) -> int:
 
 @pytest.mark.skipif(not CUDA, reason="compiles for a GPU")
 def test_cuda_a_launch_inside_compiles_without_running():
-    x = torch.randn(5, 3000, device="cuda") * 7  # a row length no other test uses: a new variant
+    x = torch.randn(5, 10000, device="cuda") * 7  # 10 chunks of 1024: variants no other test compiles
     before = _compiled_variants("argmax.triton_kernels")
     with compile_only():
         argmax_rows(x, block=1024)
@@ -99,3 +99,56 @@ def test_cuda_first_calls_compile_no_kernel_of_ours(compile_layers, hidden_size,
             while engine.has_unfinished_requests():
                 engine.step()
         assert {m: _compiled_variants(m) for m in modules} == after_construction
+
+
+def test_a_short_max_model_len_compiles():
+    """The warm-ups' prompt step is no longer than ``max_model_len`` (GPT-2 with 16 learned positions, under
+    ``WARMUP_PROMPT_TOKENS``; a longer dummy prompt indexes past its position table): the layers compile (no
+    ``compile_error``) and give stock's greedy tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from conftest import engine_greedy, stock_greedy
+    from paged_transformers import EngineConfig, LLMEngine
+
+    torch.manual_seed(4)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=16, n_embd=64, n_layer=2, n_head=4,
+                                       bos_token_id=1, eos_token_id=2)).eval()
+    model.generation_config.pad_token_id = 2
+    prompt = [5, 9, 17]
+    ref = stock_greedy(model, prompt, 5)[0]
+    config = EngineConfig(compile_layers=True, attention_backend="torch", max_num_seqs=1, block_size=4)
+    with LLMEngine(model, engine_config=config) as engine:
+        assert engine.max_model_len == 16
+        assert engine.runner.compiled and engine.runner.compilation.compile_error is None
+        assert engine_greedy(engine, [prompt], [5]) == [ref]
+
+
+def test_a_failed_compile_is_logged_and_leaves_no_mode_behind(caplog):
+    """A compile that fails in the pool (as a kernel variant Triton cannot build would) is logged when
+    ``compile_only`` is left, not raised, and Triton's async mode is cleared, so the next ``compile_only`` works."""
+    import inspect
+
+    async_compile = pytest.importorskip("triton.runtime._async_compile")
+
+    def broken():
+        raise ValueError("no such variant")
+
+    with caplog.at_level("WARNING", logger="paged_transformers"):
+        with compile_only():
+            mode = async_compile.active_mode.get()
+            extra = [lambda future: None] if len(inspect.signature(mode.submit).parameters) > 3 else []
+            mode.submit("broken-key", broken, lambda kernel: None, *extra)  # Triton 3.9 also takes a cleanup
+    assert "no such variant" in caplog.text
+    assert async_compile.active_mode.get() is None
+    with compile_only():
+        assert async_compile.active_mode.get() is not None
+
+
+def test_inside_a_callers_own_async_mode_launches_run_as_outside():
+    from concurrent.futures import ThreadPoolExecutor
+
+    async_compile = pytest.importorskip("triton.runtime._async_compile")
+    with ThreadPoolExecutor(1) as pool, async_compile.AsyncCompileMode(pool) as theirs:
+        with compile_only():
+            assert async_compile.active_mode.get() is theirs and not _launch._COMPILE_ONLY.get()
+        assert async_compile.active_mode.get() is theirs

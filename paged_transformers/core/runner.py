@@ -30,8 +30,9 @@ from .weights import WeightsChange
 
 logger = logging.getLogger(__name__)
 
-# Tokens of the dummy prompt step of the compile warm-ups: more query rows than the attention's decode tile holds (16
-# rows of query heads: 16 // (query heads per KV head) tokens), so that it takes the prefill tile as real prompts do.
+# Tokens of the dummy prompt step of the warm-ups (at most max_model_len): more query rows than the attention's
+# decode tile holds (16 rows of query heads: 16 // (query heads per KV head) tokens), so it takes the prefill tile as
+# real prompts do.
 WARMUP_PROMPT_TOKENS = 17
 
 
@@ -160,8 +161,8 @@ class ModelRunner:
         if self.device.type == "cpu" and not self.compiled and cpu_linear.available():
             # eager fp32 projections through oneDNN (cpu_linear.py)
             self.cpu_linears = cpu_linear.RoutedLinears(model, prepack=cpu_prepack_weights)
-        if self.device.type == "cuda" and not compile_on:
-            self._precompile_kernels()
+        if self.device.type == "cuda" and backend.graph_capturable and not compile_on:
+            self._precompile_kernels()  # the Triton backend's kernels (the torch backend has none of ours)
 
     @property
     def compiled(self) -> bool:
@@ -267,23 +268,27 @@ class ModelRunner:
                 for warmup in self._warmups():
                     warmup()
         except Exception as e:
-            logger.warning("paged_transformers: compiling the kernels ahead failed, they compile when first used: %s: %s",
+            logger.warning("paged_transformers: the kernels' warm-up failed, they compile when first used: %s: %s",
                            type(e).__name__, e)
 
     def _warmups(self) -> list:
-        """The dummy forwards of ``_compile`` and ``_precompile_kernels``: decode steps of one and of two sequences and a prompt step of
-        ``WARMUP_PROMPT_TOKENS`` tokens with one row sampled (the LM head then gets an index), which under
-        ``layers.tracing_settings`` all run the same graphs, one per layer piece. They also reach the kernel variants
-        the first calls would otherwise compile: the prompt step has more rows than a decode tile holds (the
-        attention's prefill tile) and its logits go through the greedy argmax; with decode graphs a decode step runs
-        for every power-of-two bucket (the split-KV merge kernel is specialized on the number of splits, a power of
-        two that follows the batch size; the W4A16 kernels on the row count's divisibility)."""
+        """The dummy forwards of ``_compile`` and ``_precompile_kernels``: decode steps of one and of two sequences
+        and a prompt step of up to ``WARMUP_PROMPT_TOKENS`` tokens with one row sampled (the LM head then gets an
+        index), which under ``layers.tracing_settings`` all run the same graphs, one per layer piece.
+
+        They also reach the kernel variants the first calls would otherwise compile: the prompt step has more rows
+        than a decode tile holds (the attention's prefill tile) and its logits go through the greedy argmax; with
+        decode graphs a decode step runs for every power-of-two bucket and the largest (the split-KV merge kernel is
+        specialized on the number of splits padded to a power of two, which shrinks as the batch grows; the W4A16
+        kernels on the row count's divisibility). A bucket whose split count pads otherwise compiles its variant at
+        its first capture, and eager steps (no graphs) can meet other split counts as contexts grow.
+        """
         sizes = [1, min(2, self.max_num_seqs)]
         if self.graphs is not None:
-            sizes += [s for s in self.graphs.sizes if s > 2 and s & (s - 1) == 0]
+            sizes += [s for s in self.graphs.sizes if s > 2 and s & (s - 1) == 0] + [self.graphs.sizes[-1]]
         warmups = [lambda n=n: self._forward(*self._dummy_step(n)) for n in dict.fromkeys(sizes)]
-        if self.max_num_tokens >= 3:
-            T = min(WARMUP_PROMPT_TOKENS, self.max_num_tokens)
+        T = min(WARMUP_PROMPT_TOKENS, self.max_num_tokens, self.max_model_len)
+        if T >= 3:
             vocab_size = self.model.config.get_text_config().vocab_size
             # the sampler's view of the logits (execute's float(), Sampler.launch's slice)
             warmups.append(lambda: argmax(self._forward(*self._dummy_prefill(T))[0].float()[:, :vocab_size]))
