@@ -15,6 +15,7 @@ vLLM's kernel sequence eagerly, inside the decode CUDA graphs:
 five elementwise kernels per layer, each rounding to the model dtype where the eager transformers code does.
 
     python research/eager_fused_layers.py --out $OUT      # GPU: decode ms per step, compiled vs eager vs eager fused
+    TRITON_INTERPRET=1 python research/eager_fused_layers.py --model tiny-llama --device cpu --out /tmp   # CPU smoke
 
 The timed calls are ``paged_generate`` calls as in ``startup_profile.py``; every engine is built on empty Inductor /
 Triton caches of its own (``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` are set per run by the script's caller,
@@ -178,7 +179,8 @@ def install(model) -> None:
     handle = fusion.fuse_projections(model)
     assert handle.num_fused == 2 * len(decoder_layers(model)), handle.skipped
     for layer in decoder_layers(model):
-        assert type(layer.mlp.act_fn).__name__ == "SiLUActivation", layer.mlp.act_fn
+        act = layer.mlp.act_fn  # transformers' SiLUActivation, or nn.SiLU in older releases
+        assert isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation", act
         layer.forward = types.MethodType(fused_layer_forward, layer)
 
 
@@ -189,10 +191,11 @@ def decode_ms(model, batch: int, new: int) -> float:
     """ms per decode step of ``paged_generate`` on ``batch`` random 128-token prompts, after one untimed call."""
     from paged_transformers import SamplingParams, paged_generate
 
-    prompts = [torch.randint(0, 1000, (128,)).tolist() for _ in range(batch)]
+    prompts = [torch.randint(0, 500, (128,)).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     paged_generate(model, prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     paged_generate(model, prompts, params, use_tqdm=False)
     return (time.perf_counter() - t0) / new * 1e3
@@ -202,13 +205,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run (TRITON_INTERPRET=1, --model tiny-llama)")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    dtype, shapes = (torch.bfloat16, ((1, 128), (64, 64))) if cuda else (torch.float32, ((1, 4), (2, 4)))
     from paged_transformers import EngineConfig, SamplingParams, paged_generate, release
     from paged_transformers.bench.workload import build_model
     from paged_transformers.integration.warm import attached_engine, engine_for
 
-    model = build_model(args.model, torch.bfloat16, "cuda")
-    prompts = [torch.randint(0, 1000, (64,)).tolist() for _ in range(4)]
+    model = build_model(args.model, dtype, args.device)
+    prompts = [torch.randint(0, 500, (64,)).tolist() for _ in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     report = {}
     for variant in ("eager", "eager_fused", "compiled"):
@@ -222,7 +228,7 @@ def main() -> None:
         outs = paged_generate(model, prompts, greedy, use_tqdm=False)
         report[f"{variant}_first_call_s"] = time.perf_counter() - t0
         report[f"{variant}_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-        for batch, new in ((1, 128), (64, 64)):
+        for batch, new in shapes:
             report[f"{variant}_b{batch}_ms_per_step"] = decode_ms(model, batch, new)
         print(variant, {k: round(v, 2) for k, v in report.items() if k.startswith(variant) and isinstance(v, float)},
               flush=True)
@@ -233,8 +239,9 @@ def main() -> None:
 
             del model
             gc.collect()
-            torch.cuda.empty_cache()
-            model = build_model(args.model, torch.bfloat16, "cuda")
+            if cuda:
+                torch.cuda.empty_cache()
+            model = build_model(args.model, dtype, args.device)
     ref = report["compiled_tokens"]
     for variant in ("eager", "eager_fused"):  # bf16 near-ties of random weights: informational
         report[f"{variant}_first_token_agreement_with_compiled"] = sum(
