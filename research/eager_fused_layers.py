@@ -12,7 +12,8 @@ vLLM's kernel sequence eagerly, inside the decode CUDA graphs:
     rms_norm(h) -> qkv GEMM (the GEMV at one row) -> rope(q, k) -> write K/V, paged attention -> o GEMM
     -> add + rms_norm (the residual sum kept) -> gate|up GEMM -> silu(gate) * up -> down GEMM -> add
 
-five elementwise kernels per layer, each rounding to the model dtype where the eager transformers code does.
+six elementwise launches per layer (RoPE once for q, once for k), each rounding to the model dtype where the
+eager transformers code does.
 
     python research/eager_fused_layers.py --out $OUT      # GPU: decode ms per step, compiled vs eager vs eager fused
     TRITON_INTERPRET=1 python research/eager_fused_layers.py --model tiny-llama --device cpu --out /tmp   # CPU smoke
