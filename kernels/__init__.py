@@ -1,4 +1,5 @@
-"""Attention kernels over the paged KV cache, each with a PyTorch reference of the same signature.
+"""The Triton kernels: attention over the paged KV cache and the rest, each with a PyTorch reference of the same
+signature.
 
 Installed as ``paged_transformers.kernels`` (never as a top-level ``kernels``: that name belongs to
 Hugging Face's own package).
@@ -18,6 +19,7 @@ launches the kernels) and the PyTorch reference of the same signature; ``triton_
 | ``paged_attention`` / ``paged_attention_ref`` | ragged prefill + decode attention, split-KV decode | ``paged_attention/`` |
 | ``argmax_rows`` / ``torch.argmax`` | the greedy sampler's row argmax (NaN and ties as torch) | ``argmax/`` |
 | ``gemv`` / ``gemv_ref`` | the batch-1 bf16/fp16 projections | ``gemv/`` |
+| ``rms_norm``, ``rotary_embedding``, ``silu_and_mul`` / ``*_ref`` | a Llama layer's ops between its projections | ``layer_ops/`` |
 | ``w4a16_matmul`` / ``w4a16_matmul_ref`` | GPTQ/AWQ 4-bit projections, a table-driven dispatch | ``w4a16/`` |
 
 The ``"torch"`` backend (CPU's path), ``torch_attention.paged_attention_torch`` / ``reshape_and_cache_torch``, has

@@ -43,10 +43,14 @@ class EngineConfig:
             rotary embedding, final norm and LM head outside the layers (see ``paged_transformers.compilation``).
             None (default): on exactly when CUDA graphs are (CUDA, Triton attention, not ``enforce_eager``);
             compiling takes tens of seconds at engine start.
-        fuse_projections: in the compiled layers, compute q|k|v and gate|up as one GEMM each over a
-            concatenated weight (``paged_transformers.compilation.fusion``; memory neutral, undone on close). None
-            (default): on exactly when ``compile_layers`` is; True without compiled layers is a ValueError
-            (eagerly, fusion would compute each fused product once per projection).
+        fuse_projections: compute q|k|v and gate|up as one GEMM each over a concatenated weight
+            (``paged_transformers.compilation.fusion``; memory neutral, undone on close): in the compiled layers, or,
+            when layers are not compiled, in the fused eager decoder layers (``compilation.fused_layers``: Llama,
+            Mistral and Qwen2 layers with hand-fused RMSNorm, rotary and SiLU-and-mul Triton kernels, no
+            ``torch.compile``). None (default): with compiled layers, and with uncompiled layers on CUDA for the
+            models the fused eager layers run (others run their own forward). False: neither. True with uncompiled
+            layers on a model they cannot run, or on a CPU without the Triton interpreter, is a ValueError at engine
+            start.
         async_scheduling: schedule and launch a decode step before the previous step's sampled tokens
             reach the host, its input ids copied on the device from that step's sampled tokens; the host
             then reads and processes the previous step's tokens while the new one runs (vLLM V1's
@@ -130,9 +134,6 @@ class EngineConfig:
         for name in ("compile_layers", "fuse_projections", "cpu_prepack_weights"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
-        if self.fuse_projections and (self.compile_layers is False or (self.compile_layers is None and self.enforce_eager)):
-            raise ValueError(f"fuse_projections=True needs compiled layers, but compile_layers={self.compile_layers!r} "
-                             f"(enforce_eager={self.enforce_eager})")
         if isinstance(self.max_model_len, int) and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token and one output token), got {self.max_model_len}")
         gmu = self.gpu_memory_utilization

@@ -8,24 +8,16 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-research/out}; mkdir -p "$OUT"
-run() {  # run TAG VARIANT CACHES: one process, its report in $OUT/startup_TAG.json
-  local tag=$1 variant=$2 caches=$3
-  TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton timeout 200 \
-    python3 research/startup_profile.py --out "$OUT" --tag "$tag" --variant "$variant" > "$OUT/log_$tag.txt" 2>&1
-  echo "== $tag rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))
-print('construction', round(r['construction_s'],2), 'first call', round(r['first_call_s'],2), 'b64 first call',
-      round(r['b64_first_call_s'],2), 'ms/step b1 b64', round(r['b1_ms_per_step'],2), round(r['b64_ms_per_step'],2),
-      'our variants', r['our_kernel_variants'])" "$OUT/startup_$tag.json" 2>&1 | tail -1)"
-}
+source research/startup_run.sh
 declare -A first
 for i in 1 2; do
   for variant in before-compile-only tree; do
     caches=$(mktemp -d); [ "$i" = 1 ] && first[$variant]=$caches
-    run "${variant}_cold$i" "$variant" "$caches"
+    run_startup "${variant}_cold$i" "$variant" "$caches"
   done
 done
 for variant in before-compile-only tree; do
-  run "${variant}_warm" "$variant" "${first[$variant]}"
+  run_startup "${variant}_warm" "$variant" "${first[$variant]}"
 done
-run eager-graphs_cold eager-graphs "$(mktemp -d)"
+run_startup eager-graphs_cold eager-graphs "$(mktemp -d)"
 (cd "$OUT" && tar czf logs.tgz log_*.txt && rm -f log_*.txt)

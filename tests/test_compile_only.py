@@ -76,7 +76,7 @@ def test_cuda_a_launch_inside_compiles_without_running():
 @pytest.mark.parametrize("compile_layers, hidden_size, vocab_size", [(True, 256, 1000), (False, 384, 1200)])
 def test_cuda_first_calls_compile_no_kernel_of_ours(compile_layers, hidden_size, vocab_size):
     """The construction leaves the first prompt steps and decode buckets nothing of ours to compile, with compiled
-    layers and with eager ones; each case has a head size and vocabulary of its own, so that its kernel variants are
+    layers and with the fused eager ones; each case has a head size and vocabulary of its own, so that its kernel variants are
     new in this process."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -87,11 +87,12 @@ def test_cuda_first_calls_compile_no_kernel_of_ours(compile_layers, hidden_size,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     modules = ("paged_attention.triton_kernels", "cache_ops.triton_kernels", "argmax.triton_kernels",
-               "gemv.triton_kernels")
+               "gemv.triton_kernels", "layer_ops.triton_kernels")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     config = EngineConfig(max_model_len=1024, max_num_seqs=16, compile_layers=compile_layers)
     with LLMEngine(model, engine_config=config) as engine:
         assert engine.runner.compiled == compile_layers and engine.runner.graphs is not None
+        assert engine.runner.fused_layers == (not compile_layers)  # uncompiled: the fused eager layers
         after_construction = {m: _compiled_variants(m) for m in modules}
         for batch in (1, 2, 3, 16):  # prompt steps, then decode graphs of the buckets 1, 2, 4, 16
             for i in range(batch):

@@ -213,17 +213,25 @@ def test_compile_failure_unfuses(tiny_model, monkeypatch):
         engine.close()
 
 
-def test_fuse_projections_validated(tiny_model):
+def test_fuse_projections_validated(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match="fuse_projections must be a bool or None, got 'yes'"):
         EngineConfig(fuse_projections="yes")
-    with pytest.raises(ValueError, match="fuse_projections=True needs compiled layers, but compile_layers=False"):
-        EngineConfig(fuse_projections=True, compile_layers=False)
-    with pytest.raises(ValueError, match="fuse_projections=True needs compiled layers"):
-        EngineConfig(fuse_projections=True, enforce_eager=True)
-    # compile_layers=None resolves to off on CPU (no CUDA graphs): the engine refuses and leaves the model as it was
+    # uncompiled layers (compile_layers=None is off on CPU: no CUDA graphs) need the fused eager layers, which Phi-3
+    # (its own qkv_proj) does not get: the engine refuses, naming why, and leaves the model as it was
+    model = tiny_model("phi3", seed=15)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="fuse_projections=True with uncompiled layers needs the fused eager layers, "
+                                         "which cannot run this model: layer 0 is a Phi3DecoderLayer"):
+        LLMEngine(model, engine_config=EngineConfig(fuse_projections=True, attention_backend="torch", max_model_len=64))
+    _assert_state_equal(model, before)
+    assert all("forward" not in vars(layer) for layer in decoder_layers(model))
+    assert model.config._attn_implementation != "paged_transformers"
+    # their kernels need CUDA or the interpreter
     model = tiny_model("llama", seed=15)
     mods = _projections(model)
-    with pytest.raises(ValueError, match="fuse_projections=True needs compiled layers"):
-        LLMEngine(model, engine_config=EngineConfig(fuse_projections=True, attention_backend="torch", max_model_len=64))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs the Triton interpreter"):
+        LLMEngine(model, engine_config=EngineConfig(fuse_projections=True, compile_layers=False,
+                                                    attention_backend="torch", max_model_len=64))
     assert all(a is b for a, b in zip(_projections(model), mods))
     assert model.config._attn_implementation != "paged_transformers"

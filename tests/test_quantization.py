@@ -274,6 +274,33 @@ def test_tiny_golden_on_the_kernel(name, monkeypatch):
         assert calls["M = 1"] > 0 and calls["M > 1"] > 0, calls
 
 
+@pytest.mark.parametrize("name", ["tiny-llama-gptq-4bit-g32-actorder-asym", "tiny-qwen2-awq-4bit-g128-gemm",
+                                  "tiny-qwen2-gptq-4bit-perchannel-sym"])
+def test_tiny_goldens_on_the_fused_eager_layers(name, models):
+    """The fused eager layers (``compilation/fused_layers.py``) over fused ``QuantLinear`` q|k|v and gate|up (GPTQ
+    act-order, AWQ, per-channel) against the goldens, every prompt: fp32 on the CPU (interpreter, asked for with
+    ``fuse_projections=True``), fp16 on CUDA (the default for uncompiled layers)."""
+    from paged_transformers import EngineConfig, LLMEngine
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.float16 if cuda else torch.float32
+    model = load_model(MODELS / name, dtype=dtype, device="cuda") if cuda else models(name)
+    g, tol = golden(name), TOL[dtype]
+    prompts = [p["input_ids"] for p in g["prompts"]]
+    config = EngineConfig(compile_layers=False, fuse_projections=None if cuda else True, attention_backend="triton",
+                          max_model_len=128, max_num_seqs=4)
+    with LLMEngine(model, engine_config=config) as engine:
+        assert engine.runner.fused_layers
+        assert engine.runner.compilation.fusion.num_fused == 2 * model.config.num_hidden_layers
+        for i, (ids, want) in enumerate(zip(prompts, g["greedy_new_tokens"])):  # the goldens ignore EOS
+            engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True))
+        got = {}
+        while engine.has_unfinished_requests():
+            got.update((out.request_id, out.outputs[0].token_ids) for out in engine.step() if out.finished)
+    for i, (want, margins) in enumerate(zip(g["greedy_new_tokens"], g["greedy_step_top2_margin"])):
+        assert_tokens_match(list(got[str(i)]), want, margins, tol, f"fused eager layers, prompt {i}")
+
+
 # -- goldens: SmolLM2 ----------------------------------------------------------------------------------
 
 

@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
                         help="auto: Triton on CUDA, PyTorch on CPU")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (and no compiled layers)")
-    parser.add_argument("--no-compile", action="store_true", help="keep the decoder layers eager (compile_layers=False)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="no torch.compile of the decoder layers (compile_layers=False: fused eager layers where they apply)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks the model is split over (one process each; --model must be a checkpoint path)")

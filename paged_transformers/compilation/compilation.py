@@ -5,6 +5,8 @@ apply / restore pair.
   ``layers.tracing_settings``;
 - q|k|v and gate|up fused into one GEMM each inside them (``fusion.py``), the batch-1 projections routed to the
   Triton GEMV (``gemv_routing.py``, an Inductor pass of the compile);
+- or, in place of compiled layers, the fused eager decoder layers of the Llama family (``fused_layers.py``: the
+  same kernel sequence without a compiler) with those fused projections;
 - the decode steps' CUDA graphs (``cuda_graphs.py``).
 
 ``apply()`` installs the compiled forwards and fused projections in the model for an engine call, ``restore()``
@@ -18,7 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import fusion
+from . import fused_layers, fusion
 from .cuda_graphs import DecodeGraphs
 from .layers import compile_layers, tracing_settings, uncompile_layers
 
@@ -38,6 +40,7 @@ class Compilation:
     Attributes:
         graphs: the ``DecodeGraphs``, or None without CUDA graphs.
         modules: ``(module, previous instance forward or None)`` per compiled module (empty: eager layers).
+        fused_modules: the same for the fused eager layers (``fuse_layers``; empty otherwise).
         fusion: the ``fusion.FusionHandle`` while projections are fused, else None.
         compile_error: why compiling failed (the layers then stay eager), or None.
     """
@@ -46,6 +49,7 @@ class Compilation:
         self.model = model
         self.graphs = DecodeGraphs(device, max_num_seqs) if cuda_graphs else None
         self.modules: list[tuple[torch.nn.Module, object]] = []
+        self.fused_modules: list[tuple[torch.nn.Module, object]] = []
         self.fusion: fusion.FusionHandle | None = None
         self.compile_error: str | None = None
         # (owner, attribute, ours, the model's own or None: no instance attribute), swapped by apply / restore
@@ -71,7 +75,30 @@ class Compilation:
             self.compile_error = f"{type(e).__name__}: {e}"
             logger.warning("torch.compile of the decoder layers failed, they run eagerly: %s", self.compile_error)
             return
-        self._swaps = [(module, "forward", vars(module)["forward"], previous) for module, previous in self.modules]
+        self._record_swaps(self.modules)
+
+    def fuse_layers(self) -> str | None:
+        """Fuse the projections and install the fused eager decoder layers (``fused_layers``) instead of compiling.
+
+        Returns:
+            None when installed, else why not (``fused_layers.unsupported``, or a projection group that could not
+            be fused); the model is then left as it was.
+        """
+        reason = fused_layers.unsupported(self.model)
+        if reason is not None:
+            return reason
+        handle = fusion.fuse_projections(self.model)
+        if handle.skipped:
+            fusion.unfuse_projections(handle)
+            return "projections not fused: " + "; ".join(handle.skipped[:3])
+        self.fusion = handle
+        self.fused_modules = fused_layers.install(self.model, handle.groups)
+        self._record_swaps(self.fused_modules)
+        return None
+
+    def _record_swaps(self, changed: list[tuple[torch.nn.Module, object]]) -> None:
+        """The swaps of ``apply`` / ``restore``: the forwards ``changed`` set, then the fused projection modules."""
+        self._swaps = [(module, "forward", vars(module)["forward"], previous) for module, previous in changed]
         for parent, originals, _ in self.fusion.groups if self.fusion is not None else ():
             self._swaps += [(parent, name, getattr(parent, name), original) for name, original in originals]
 
@@ -101,12 +128,13 @@ class Compilation:
             self.applied = False
 
     def undo(self) -> None:
-        """Give the model's decoder layers their eager ``forward`` and unfused projections back, for good (engine
+        """Give the model's decoder layers their own ``forward`` and unfused projections back, for good (engine
         close): the original projections get contiguous copies of their weights. The graphs are dropped."""
         self.restore()
         self._swaps = []
         uncompile_layers(self.modules)
         self.modules = []
+        self.fused_modules = []  # restore() gave them their own forwards
         if self.fusion is not None:
             fusion.unfuse_projections(self.fusion)
             self.fusion = None

@@ -43,6 +43,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Raises:
         RuntimeError / ValueError: as ``torch.nn.functional.linear`` for mismatched shapes or dtypes.
     """
+    return project(x, weight, bias)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The choice of ``linear`` as a plain function, for eager code (the fused eager layers, ``fused_layers.py``),
+    which would otherwise pay the custom op's dispatch at every projection. Same arguments, result and errors."""
     if (x.is_cuda and x.shape[0] == 1 and x.dtype in _HALF and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1
             and (bias is None or (bias.shape == weight.shape[:1] and bias.is_contiguous()))):  # fmt: skip

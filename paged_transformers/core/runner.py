@@ -13,6 +13,7 @@ The compiled layers, fused projections and decode graphs are the runner's ``comp
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -99,8 +100,11 @@ class ModelRunner:
             ``compilation.compile_error``. The runner is constructed attached (its forwards installed). Eager
             layers on CUDA run the same dummy forwards to compile our Triton kernels' variants
             (``_precompile_kernels``).
-        fuse_projections: fuse q|k|v and gate|up into one GEMM each inside the compiled layers
-            (``compilation/fusion.py``); None: exactly when layers are compiled. Undone on ``release``.
+        fuse_projections: fuse q|k|v and gate|up into one GEMM each (``compilation/fusion.py``): inside the
+            compiled layers, or, with uncompiled layers, in the fused eager decoder layers of the Llama family
+            (``compilation/fused_layers.py``, whose kernels need CUDA or the Triton interpreter). None: with compiled
+            layers, and with eager layers on CUDA where the model's layers are of that family (others run their
+            own forward). Undone on ``release``.
         cpu_prepack_weights: ``EngineConfig.cpu_prepack_weights`` for the oneDNN CPU projections (below).
 
     Eager fp32 layers on an x86-64 CPU run their ``nn.Linear`` products through oneDNN during engine forwards
@@ -108,7 +112,8 @@ class ModelRunner:
     weights are stable across calls they read packed copies of the weights (``weights_changed``).
 
     Raises:
-        ValueError: a limit that is not positive; ``fuse_projections=True`` without compiled layers.
+        ValueError: a limit that is not positive; ``fuse_projections=True`` with uncompiled layers that the fused
+            eager layers cannot run (the reason named), or on a CPU without the Triton interpreter.
     """
 
     def __init__(
@@ -147,18 +152,26 @@ class ModelRunner:
         self.record_steps = False
         self.steps: list[StepTrace] = []
         compile_on = compile_layers if compile_layers is not None else graphs_on
-        if fuse_projections and not compile_on:
-            raise ValueError("fuse_projections=True needs compiled layers (compile_layers), which are off here: "
-                             "eagerly every fused slice computes the whole fused product")
-        self.compilation = None  # compilation.Compilation with compiled layers or decode graphs
-        if compile_on or graphs_on:
+        fused_on = not compile_on and (fuse_projections or (fuse_projections is None and self.device.type == "cuda"))
+        if fuse_projections and fused_on and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"fuse_projections=True with uncompiled layers on {self.device} needs the Triton "
+                             "interpreter (TRITON_INTERPRET=1) for the fused eager layers' kernels")
+        self.compilation = None  # compilation.Compilation: compiled or fused eager layers, decode graphs
+        if compile_on or graphs_on or fused_on:
             from ..compilation import Compilation
 
             self.compilation = Compilation(model, self.device, max_num_seqs, cuda_graphs=graphs_on)
         if compile_on:
             self._compile(fuse=fuse_projections is not False)
+        elif fused_on:
+            reason = self.compilation.fuse_layers()
+            if reason is not None and fuse_projections:
+                raise ValueError(f"fuse_projections=True with uncompiled layers needs the fused eager layers, which "
+                                 f"cannot run this model: {reason}")
+            if reason is not None:
+                logger.info("paged_transformers: the layers run their own eager forward: %s", reason)
         self.cpu_linears: cpu_linear.RoutedLinears | None = None
-        if self.device.type == "cpu" and not self.compiled and cpu_linear.available():
+        if self.device.type == "cpu" and not self.compiled and not self.fused_layers and cpu_linear.available():
             # eager fp32 projections through oneDNN (cpu_linear.py)
             self.cpu_linears = cpu_linear.RoutedLinears(model, prepack=cpu_prepack_weights)
         if self.device.type == "cuda" and backend.graph_capturable and not compile_on:
@@ -168,6 +181,11 @@ class ModelRunner:
     def compiled(self) -> bool:
         """Whether the layers are compiled (False also after a compile error)."""
         return self.compilation is not None and bool(self.compilation.modules)
+
+    @property
+    def fused_layers(self) -> bool:
+        """Whether the decoder layers run the fused eager forward (``compilation/fused_layers.py``)."""
+        return self.compilation is not None and bool(self.compilation.fused_modules)
 
     @property
     def graphs(self):
