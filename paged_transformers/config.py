@@ -40,17 +40,19 @@ class EngineConfig:
             Also turns off ``compile_layers``'s default.
         compile_layers: ``torch.compile`` each decoder layer around the paged attention, fusing the small
             ops between the projections (norms, rotary embedding, activation, residual adds), and the
-            rotary embedding, final norm and LM head outside the layers (see ``paged_transformers.compilation``).
-            None (default): on exactly when CUDA graphs are (CUDA, Triton attention, not ``enforce_eager``);
-            compiling takes tens of seconds at engine start.
+            rotary embedding, final norm and LM head outside the layers (see ``paged_transformers.compilation``);
+            compiling takes 15-20 s at engine start on a fresh machine. None (default): on CUDA, Llama, Mistral and
+            Qwen2 layers run the fused eager layers (``fuse_projections``), which decode as fast without a compiler;
+            other models are compiled exactly when CUDA graphs are on (CUDA, Triton attention, not
+            ``enforce_eager``). True: compile whatever the model. False: never compile.
         fuse_projections: compute q|k|v and gate|up as one GEMM each over a concatenated weight
-            (``paged_transformers.compilation.fusion``; memory neutral, undone on close): in the compiled layers, or,
-            when layers are not compiled, in the fused eager decoder layers (``compilation.fused_layers``: Llama,
-            Mistral and Qwen2 layers with hand-fused RMSNorm, rotary and SiLU-and-mul Triton kernels, no
-            ``torch.compile``). None (default): with compiled layers, and with uncompiled layers on CUDA for the
-            models the fused eager layers run (others run their own forward). False: neither. True with uncompiled
-            layers on a model they cannot run, or on a CPU without the Triton interpreter, is a ValueError at engine
-            start.
+            (``paged_transformers.compilation.fusion``; memory neutral, undone on close): in the fused eager decoder
+            layers (``compilation.fused_layers``: Llama, Mistral and Qwen2 layers with hand-fused RMSNorm, rotary and
+            SiLU-and-mul Triton kernels, no ``torch.compile``), or in the compiled layers. None (default): on, with
+            the fused eager layers on CUDA where they run the model (else with compiled layers, or the model's own
+            forward). False: neither the fusion nor the fused eager layers. True on a model that the fused eager
+            layers cannot run, when its layers are not compiled (or on a CPU without the Triton interpreter), is a
+            ValueError at engine start.
         async_scheduling: schedule and launch a decode step before the previous step's sampled tokens
             reach the host, its input ids copied on the device from that step's sampled tokens; the host
             then reads and processes the previous step's tokens while the new one runs (vLLM V1's

@@ -8,8 +8,9 @@ Each report has the construction's Inductor / AOTAutograd cache hits and misses,
 kernels were compiled during the construction and during each call after it. ``--variant before-compile-only``
 restores the warm-ups of the tree before ``kernels.compile_only`` (decode steps of 1 and 2 sequences and a 3-token
 prompt, our kernels compiled one at a time in the main thread when first launched): the A/B of ``gpu_startup_ab.sh``.
-``--variant fused-eager``: ``EngineConfig(compile_layers=False)``, the fused eager layers (``compilation/fused_layers.py``)
-in decode CUDA graphs, no Inductor; ``--variant eager-graphs``: also ``fuse_projections=False``, the model's own eager
+``--variant compiled``: ``EngineConfig(compile_layers=True)``, the layers compiled by Inductor although the fused eager
+layers (the default for Llama-family layers) could run them. ``--variant fused-eager``: ``EngineConfig(compile_layers=False)``,
+the fused eager layers (``compilation/fused_layers.py``) in decode CUDA graphs, no Inductor; ``--variant eager-graphs``: also ``fuse_projections=False``, the model's own eager
 layers in decode graphs: what a start without torch.compile costs in decode speed, with and without the fused layers. ``--inductor-option
 NAME=VALUE`` (repeatable) adds an Inductor option to the layers' compile (``gpu_startup_inductor.sh``'s sweep).
 ``--specialize-one`` traces as the tree before ``compile.tracing_settings`` did (the row count 1 specialized, duck
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--tag", default="run")
     parser.add_argument("--specialize-one", action="store_true")
     parser.add_argument("--cprofile", action="store_true")
-    parser.add_argument("--variant", choices=("tree", "before-compile-only", "fused-eager", "eager-graphs"), default="tree")
+    parser.add_argument("--variant", choices=("tree", "compiled", "before-compile-only", "fused-eager", "eager-graphs"), default="tree")
     parser.add_argument("--inductor-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an Inductor option on top of compilation.layers.INDUCTOR_OPTIONS (True/False/int)")
     args = parser.parse_args()
@@ -113,10 +114,11 @@ def main() -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     t0 = time.perf_counter()
-    config = {"fused-eager": EngineConfig(compile_layers=False),
+    config = {"fused-eager": EngineConfig(compile_layers=False), "compiled": EngineConfig(compile_layers=True),
+              "before-compile-only": EngineConfig(compile_layers=True),
               "eager-graphs": EngineConfig(compile_layers=False, fuse_projections=False)}.get(args.variant, EngineConfig())
     engine = engine_for(model, engine_config=config)
-    assert engine.runner.fused_layers == (args.variant == "fused-eager"), args.variant
+    assert engine.runner.fused_layers == (args.variant in ("tree", "fused-eager")), args.variant
     report["construction_s"] = time.perf_counter() - t0
     report["variant"] = args.variant
     report["inductor_options"] = args.inductor_option

@@ -176,7 +176,7 @@ def stock_greedy(model, prompt_token_ids: list[int], max_new_tokens: int, **gene
         ``(new_token_ids, margins)``: the generated tokens (EOS included when it stopped there) and,
         per step, the gap between the largest and second-largest raw logit (float32 units).
     """
-    ids = torch.tensor([prompt_token_ids])
+    ids = torch.tensor([prompt_token_ids], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

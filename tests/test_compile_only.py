@@ -73,7 +73,7 @@ def test_cuda_a_launch_inside_compiles_without_running():
 
 
 @pytest.mark.skipif(not CUDA, reason="the engine's CUDA path: decode graphs, Triton")
-@pytest.mark.parametrize("compile_layers, hidden_size, vocab_size", [(True, 256, 1000), (False, 384, 1200)])
+@pytest.mark.parametrize("compile_layers, hidden_size, vocab_size", [(True, 256, 1000), (False, 512, 1200)])
 def test_cuda_first_calls_compile_no_kernel_of_ours(compile_layers, hidden_size, vocab_size):
     """The construction leaves the first prompt steps and decode buckets nothing of ours to compile, with compiled
     layers and with the fused eager ones; each case has a head size and vocabulary of its own, so that its kernel variants are

@@ -131,12 +131,17 @@ def test_fused_layers_equal_stock_generate(tiny_model, arch, backend):
     max_tokens = [8, 5, 12]
     refs = [stock_greedy(model, p, n)[0] for p, n in zip(prompts, max_tokens)]
     originals = [layer.get_submodule(p) for layer in decoder_layers(model) for p in PROJ]
-    with LLMEngine(model, engine_config=_config(backend)) as engine:
-        assert engine.runner.fused_layers and not engine.runner.compiled
-        assert all("forward" in vars(layer) for layer in decoder_layers(model))
-        assert "forward" in vars(model.model.norm)
-        assert all(isinstance(layer.get_submodule(p), FusedLinearSlice) for layer in decoder_layers(model) for p in PROJ)
-        assert engine_greedy(engine, prompts, max_tokens) == refs
+    model.to(DEVICE)  # the fused layers' kernels: CUDA, else the interpreter
+    try:
+        with LLMEngine(model, engine_config=_config(backend)) as engine:
+            assert engine.runner.fused_layers and not engine.runner.compiled
+            assert all("forward" in vars(layer) for layer in decoder_layers(model))
+            assert "forward" in vars(model.model.norm)
+            assert all(isinstance(layer.get_submodule(p), FusedLinearSlice)
+                       for layer in decoder_layers(model) for p in PROJ)
+            assert engine_greedy(engine, prompts, max_tokens) == refs
+    finally:
+        model.cpu()
     assert [layer.get_submodule(p) for layer in decoder_layers(model) for p in PROJ] == originals
     assert all("forward" not in vars(m) for m in [*decoder_layers(model), model.model.norm])
     assert [stock_greedy(model, p, n)[0] for p, n in zip(prompts, max_tokens)] == refs
@@ -145,17 +150,17 @@ def test_fused_layers_equal_stock_generate(tiny_model, arch, backend):
 def test_between_calls_the_model_is_stock_and_weight_updates_are_used():
     """The warm engine (``paged_generate``) with fused eager layers: between calls plain forwards and a training
     step equal a twin that never saw an engine; the next call generates with the updated weights."""
-    model, twin = make_tiny_model("llama", seed=22), make_tiny_model("llama", seed=22)
+    model, twin = (make_tiny_model("llama", seed=22).to(DEVICE) for _ in range(2))
     prompts = random_prompts(3, 3, 40, seed=9)
     params = SamplingParams(temperature=0, max_tokens=6)
     got = [o.outputs[0].token_ids for o in paged_generate(model, prompts, params, engine_config=_config("triton"),
                                                           use_tqdm=False)]
     assert got == [stock_greedy(twin, p, 6)[0] for p in prompts]
     assert current_engine(model).runner.fused_layers
-    ids = torch.tensor([prompts[0]])
+    ids = torch.tensor([prompts[0]], device=DEVICE)
     assert torch.equal(model(ids).logits, twin(ids).logits)
 
-    batch = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    batch = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     losses = []
     for m in (model, twin):
         m.train()
@@ -189,5 +194,23 @@ def test_other_models_run_their_own_layers_by_default(tiny_model):
             with LLMEngine(model, engine_config=config) as engine:
                 assert engine.runner.fused_layers is fused
                 assert engine_greedy(engine, prompts, [6, 6]) == refs
+        finally:
+            model.cpu()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the default on CUDA (decode graphs)")
+def test_cuda_default_runs_fused_layers_and_compiles_the_layers_they_cannot_run(tiny_model):
+    """``EngineConfig()`` on CUDA: Llama's layers run the fused eager forward in decode graphs, uncompiled; Gemma-2's
+    (a class the fused layers do not cover) are compiled by Inductor. Both equal stock greedy."""
+    prompts = random_prompts(2, 3, 30, seed=6)
+    for arch, fused in (("llama", True), ("gemma2", False)):
+        model = tiny_model(arch, seed=24)
+        refs = [stock_greedy(model, p, 6)[0] for p in prompts]
+        model.to(DEVICE)
+        try:
+            with LLMEngine(model, engine_config=EngineConfig(max_model_len=64, max_num_seqs=2)) as engine:
+                assert engine.runner.graphs is not None
+                assert (engine.runner.fused_layers, engine.runner.compiled) == (fused, not fused), arch
+                assert engine_greedy(engine, prompts, [6, 6]) == refs, arch
         finally:
             model.cpu()

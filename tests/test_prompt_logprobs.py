@@ -197,9 +197,9 @@ def test_over_the_vocabulary_is_refused_before_any_state_changes(model):
     assert all(len(entry) == VOCAB_SIZE for entry in full.prompt_logprobs[1:])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's CUDA path: compiled layers, decode graphs, Triton")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's CUDA path: fused layers, decode graphs, Triton")
 def test_cuda_engine_with_graphs_equals_stock(model):
-    """The default engine on CUDA (compiled layers, CUDA graphs, Triton attention; fp32 model): chunked prompts wanting
+    """The default engine on CUDA (the fused eager Llama layers, CUDA graphs, Triton attention; fp32 model): chunked prompts wanting
     prompt logprobs mixed with plain decodes give stock's log-softmax at every position (TF32-level tolerance), and
     the plain requests' greedy tokens equal those of a run where nobody wants any."""
     import copy
@@ -212,7 +212,7 @@ def test_cuda_engine_with_graphs_equals_stock(model):
     wanting = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, ignore_eos=True)
     config = EngineConfig(block_size=16, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8)
     with LLMEngine(gpu, engine_config=config) as engine:
-        assert engine.runner.graphs is not None and engine.runner.compiled, "not the CUDA path of record"
+        assert engine.runner.graphs is not None and engine.runner.fused_layers, "not the CUDA path of record"
         outs = run(engine, PROMPTS, [wanting if i % 2 else plain for i in range(len(PROMPTS))])
         alone = run(engine, PROMPTS, [plain] * len(PROMPTS))
         assert_pool_whole(engine)

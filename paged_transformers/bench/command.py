@@ -57,8 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
                         help="auto: Triton on CUDA, PyTorch on CPU")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (and no compiled layers)")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="no torch.compile of the decoder layers (compile_layers=False: fused eager layers where they apply)")
+    compile_group = parser.add_mutually_exclusive_group()
+    compile_group.add_argument("--compile", action="store_true",
+                               help="torch.compile the decoder layers (compile_layers=True) even where the fused eager "
+                                    "layers apply")
+    compile_group.add_argument("--no-compile", action="store_true",
+                               help="never torch.compile the decoder layers (compile_layers=False: the fused eager "
+                                    "layers where they apply, else the model's own)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks the model is split over (one process each; --model must be a checkpoint path)")
@@ -82,7 +87,7 @@ def _engine_config(args, requests: list[BenchRequest], **overrides) -> EngineCon
                   max_model_len=args.max_model_len or -(-longest // 256) * 256,
                   gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks,
                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                  compile_layers=False if args.no_compile else None, tensor_parallel_size=args.tensor_parallel_size)
+                  compile_layers=True if args.compile else False if args.no_compile else None, tensor_parallel_size=args.tensor_parallel_size)
     if args.no_prefix_caching and "enable_prefix_caching" in EngineConfig.__dataclass_fields__:
         fields["enable_prefix_caching"] = False
     fields.update(overrides)

@@ -5,8 +5,8 @@ apply / restore pair.
   ``layers.tracing_settings``;
 - q|k|v and gate|up fused into one GEMM each inside them (``fusion.py``), the batch-1 projections routed to the
   Triton GEMV (``gemv_routing.py``, an Inductor pass of the compile);
-- or, in place of compiled layers, the fused eager decoder layers of the Llama family (``fused_layers.py``: the
-  same kernel sequence without a compiler) with those fused projections;
+- or, in place of compiled layers (and the default where they apply), the fused eager decoder layers of the Llama
+  family (``fused_layers.py``: the same kernel sequence without a compiler) with those fused projections;
 - the decode steps' CUDA graphs (``cuda_graphs.py``).
 
 ``apply()`` installs the compiled forwards and fused projections in the model for an engine call, ``restore()``

@@ -95,16 +95,16 @@ class ModelRunner:
             be captured (``backend.graph_capturable``; the torch backend calls ``.tolist()``, which cannot be);
             otherwise the runner stays eager.
         compile_layers: ``torch.compile`` the decoder layers around the attention (``compilation/layers.py``);
-            None: exactly when decode graphs are used. Compiled at construction by dummy forwards
-            (``_compile``); a compile error leaves the layers eager and is recorded in
-            ``compilation.compile_error``. The runner is constructed attached (its forwards installed). Eager
-            layers on CUDA run the same dummy forwards to compile our Triton kernels' variants
-            (``_precompile_kernels``).
-        fuse_projections: fuse q|k|v and gate|up into one GEMM each (``compilation/fusion.py``): inside the
-            compiled layers, or, with uncompiled layers, in the fused eager decoder layers of the Llama family
-            (``compilation/fused_layers.py``, whose kernels need CUDA or the Triton interpreter). None: with compiled
-            layers, and with eager layers on CUDA where the model's layers are of that family (others run their
-            own forward). Undone on ``release``.
+            None: when decode graphs are used and the fused eager layers (below) do not run the model; True: even
+            where they could. Compiled at construction by dummy forwards (``_compile``); a compile error leaves the
+            layers eager and is recorded in ``compilation.compile_error``. The runner is constructed attached (its
+            forwards installed). Uncompiled layers on CUDA run the same dummy forwards to compile our Triton
+            kernels' variants (``_precompile_kernels``).
+        fuse_projections: fuse q|k|v and gate|up into one GEMM each (``compilation/fusion.py``): in the fused
+            eager decoder layers of the Llama family (``compilation/fused_layers.py``, whose kernels need CUDA or the
+            Triton interpreter), tried first unless ``compile_layers`` is True, or inside the compiled layers. None:
+            the fused eager layers on CUDA where the model's layers are of that family, else with compiled layers.
+            Undone on ``release``.
         cpu_prepack_weights: ``EngineConfig.cpu_prepack_weights`` for the oneDNN CPU projections (below).
 
     Eager fp32 layers on an x86-64 CPU run their ``nn.Linear`` products through oneDNN during engine forwards
@@ -113,7 +113,8 @@ class ModelRunner:
 
     Raises:
         ValueError: a limit that is not positive; ``fuse_projections=True`` with uncompiled layers that the fused
-            eager layers cannot run (the reason named), or on a CPU without the Triton interpreter.
+            eager layers cannot run (the reason named), or, without compiled layers, on a CPU without the Triton
+            interpreter.
     """
 
     def __init__(
@@ -151,25 +152,27 @@ class ModelRunner:
         graphs_on = bool(use_cuda_graphs) and self.device.type == "cuda" and backend.graph_capturable
         self.record_steps = False
         self.steps: list[StepTrace] = []
-        compile_on = compile_layers if compile_layers is not None else graphs_on
-        fused_on = not compile_on and (fuse_projections or (fuse_projections is None and self.device.type == "cuda"))
-        if fuse_projections and fused_on and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        # the fused eager layers first (no compiler: a start of seconds), unless compiling is asked for; compiled
+        # layers where they cannot run the model and decode graphs are on (compile_layers=None), or when asked
+        fused_try = compile_layers is not True and (
+            fuse_projections or (fuse_projections is None and self.device.type == "cuda"))
+        if fuse_projections and fused_try and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"fuse_projections=True with uncompiled layers on {self.device} needs the Triton "
                              "interpreter (TRITON_INTERPRET=1) for the fused eager layers' kernels")
         self.compilation = None  # compilation.Compilation: compiled or fused eager layers, decode graphs
-        if compile_on or graphs_on or fused_on:
+        if compile_layers or graphs_on or fused_try:
             from ..compilation import Compilation
 
             self.compilation = Compilation(model, self.device, max_num_seqs, cuda_graphs=graphs_on)
+        reason = self.compilation.fuse_layers() if fused_try else None
+        compile_on = not self.fused_layers and (compile_layers if compile_layers is not None else graphs_on)
+        if reason is not None and fuse_projections and not compile_on:
+            raise ValueError(f"fuse_projections=True with uncompiled layers needs the fused eager layers, which "
+                             f"cannot run this model: {reason}")
         if compile_on:
             self._compile(fuse=fuse_projections is not False)
-        elif fused_on:
-            reason = self.compilation.fuse_layers()
-            if reason is not None and fuse_projections:
-                raise ValueError(f"fuse_projections=True with uncompiled layers needs the fused eager layers, which "
-                                 f"cannot run this model: {reason}")
-            if reason is not None:
-                logger.info("paged_transformers: the layers run their own eager forward: %s", reason)
+        elif reason is not None:
+            logger.info("paged_transformers: the layers run their own eager forward: %s", reason)
         self.cpu_linears: cpu_linear.RoutedLinears | None = None
         if self.device.type == "cpu" and not self.compiled and not self.fused_layers and cpu_linear.available():
             # eager fp32 projections through oneDNN (cpu_linear.py)
