@@ -108,3 +108,21 @@ def test_bench_command_writes_the_report(tmp_path, capsys):
     assert ratio == pytest.approx(paged["output_tokens_per_s"] / report["engines"]["hf_generate"]["output_tokens_per_s"])
     assert np.isfinite(paged["tpot_s"]["p99"])
     assert "paged_vs_hf_cb" in printed  # the table is printed
+
+
+def test_compile_flags_set_compile_layers_and_exclude_each_other(capsys):
+    """``--compile`` / ``--no-compile`` / neither give ``compile_layers`` True / False / None (the fused eager layers
+    where they apply); both at once is an argparse error naming them."""
+    import argparse
+
+    from paged_transformers.bench.command import _engine_config, add_arguments
+    from paged_transformers.bench.workload import BenchRequest
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    requests = [BenchRequest([1, 2, 3], 4)]
+    for flags, want in (([], None), (["--compile"], True), (["--no-compile"], False)):
+        assert _engine_config(parser.parse_args(flags), requests).compile_layers is want, flags
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--compile", "--no-compile"])
+    assert "not allowed with argument --compile" in capsys.readouterr().err

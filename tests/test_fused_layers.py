@@ -4,7 +4,7 @@ References: the PyTorch references of the kernels (transformers' own ops: ``Llam
 ``silu``) and, for the engine, stock ``model.generate()`` (fp32, each prompt alone) on a model that never saw an
 engine. On the CPU the kernels and the Triton attention run in Triton's interpreter (conftest sets
 ``TRITON_INTERPRET=1``); there the fused layers are on only when asked for (``fuse_projections=True`` with
-uncompiled layers), on CUDA by default for uncompiled layers.
+uncompiled layers), on CUDA by default for the model families they run.
 """
 
 import pytest

@@ -103,7 +103,7 @@ def first_engine(model, config: EngineConfig, repeats: int) -> dict:
         return paged_generate(model, [prompt], params, engine_config=config, use_tqdm=False)
 
     t0 = time.perf_counter()
-    engine = engine_for(model, engine_config=config)  # what the first call builds: pool, compiled layers
+    engine = engine_for(model, engine_config=config)  # what the first call builds: pool, fused layers, kernels
     construction_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     call()
@@ -284,14 +284,16 @@ def run_entry_points(args) -> dict:
     model.generation_config.eos_token_id = None  # EOS ignored on both sides
     config = EngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len)
+                          max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                          compile_layers=True if args.compile else False if args.no_compile else None)
     requests = synthetic_workload(args.num_requests, tuple(args.input_len_range), tuple(args.output_len_range),
                                   model.config.get_text_config().vocab_size, args.seed)
     repeats = args.repeats
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "versions": versions(), "device": device_info(args.device),
               "model": {"name": args.model, "dtype": args.dtype, "quantization": args.quantization},
               "engine_config": {k: getattr(config, k) for k in ("gpu_memory_utilization", "block_size", "max_num_seqs",
-                                                                "max_num_batched_tokens", "max_model_len")},
+                                                                "max_num_batched_tokens", "max_model_len",
+                                                                "enforce_eager", "compile_layers")},
               "repeats": repeats}
     steps = [("first_engine", lambda: first_engine(model, config, repeats)),
              ("generate", lambda: generate_calls(model, [(1, 128, 32), (8, 512, 128)], repeats)),

@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size, blocks; None: from the memory")
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",
                         help="auto: Triton on CUDA, PyTorch on CPU")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (and no compiled layers)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (and, without --compile, no compiled layers)")
     compile_group = parser.add_mutually_exclusive_group()
     compile_group.add_argument("--compile", action="store_true",
                                help="torch.compile the decoder layers (compile_layers=True) even where the fused eager "

@@ -82,17 +82,14 @@ class Compilation:
 
         Returns:
             None when installed, else why not (``fused_layers.unsupported``, or a projection group that could not
-            be fused); the model is then left as it was.
+            be fused); the model is then left untouched.
         """
         reason = fused_layers.unsupported(self.model)
-        if reason is not None:
-            return reason
-        handle = fusion.fuse_projections(self.model)
-        if handle.skipped:
-            fusion.unfuse_projections(handle)
-            return "projections not fused: " + "; ".join(handle.skipped[:3])
-        self.fusion = handle
-        self.fused_modules = fused_layers.install(self.model, handle.groups)
+        skipped = fusion.unfusable(self.model) if reason is None else []
+        if reason is not None or skipped:
+            return reason or "projections not fused: " + "; ".join(skipped[:3])
+        self.fusion = fusion.fuse_projections(self.model)
+        self.fused_modules = fused_layers.install(self.model, self.fusion.groups)
         self._record_swaps(self.fused_modules)
         return None
 

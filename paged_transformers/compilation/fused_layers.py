@@ -30,8 +30,9 @@ between engine calls the model runs its own forward.
 
 NOTE (BENCHMARKS.md, issue 18, 2026-12-06; Llama-3-8B shape, bf16, torch 2.11, triton 3.6): against the compiled
 layers on empty compile caches, one H100 process each, the engine built in 4.6 s instead of 18.0 s and decoded at
-6.02 / 7.53 ms per step at batch 1 / 64 against 5.97 / 7.64; the workload of record ran at 6,086 output tok/s
-against 5,542 in the same call. Hence the default for these layer classes.
+6.01 / 7.53 ms per step at batch 1 / 64 against 5.97 / 7.64; the workload of record ran at 6,086 output tok/s
+against 5,542 in the same call (batch-1 decode 1.4% slower there: 5.97 vs 5.89 ms). Hence the default for these
+layer classes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Fused q|k|v and gate|up projections for compiled decoder layers, without rewriting any forward.
+"""Fused q|k|v and gate|up projections for compiled decoder layers and the fused eager layers
+(``fused_layers.py``), without rewriting any model's forward.
 
 A decoder layer computes three projections of one input for attention (``q_proj``, ``k_proj``,
 ``v_proj``) and two for the MLP (``gate_proj``, ``up_proj``). At decode batch sizes each is a GEMV that
@@ -10,7 +11,8 @@ vs 39.6 us separate; gate|up 68.5 vs 81 us; BENCHMARKS.md). vLLM gets this by de
 We keep transformers' forward code and instead swap each projection module for a ``FusedLinearSlice``:
 all slices of one group share ONE fused module (weight ``[N_q + N_k + N_v, K]``) and each returns
 ``fused(x)[..., start:stop]``. Eagerly that computes the big product once per slice (3x the work, which
-is why fusion is only turned on with compiled layers). Under ``torch.compile`` Dynamo sees the same
+is why fusion is only turned on with compiled layers, or with the fused eager layers, whose forward calls the
+fused module once and slices its output itself). Under ``torch.compile`` Dynamo sees the same
 weight tensor through every slice and lifts it as one graph input, so the graph holds identical
 ``mm(x, W^T)`` nodes; ``ProjectionCSE``, a post-grad Inductor pass given in the compile options, merges
 them into one (AOTAutograd's own CSE, ``torch._functorch.config.cse``, runs only in the training
@@ -181,8 +183,8 @@ def fuse_projections(model: nn.Module) -> FusionHandle:
     ``handle.skipped``; a group is fused in every decoder layer or in none (``_fuse_layers``). Memory
     neutral: see the module docstring.
 
-    Only worth it under ``torch.compile`` with ``COMPILE_OPTIONS``: run eagerly, each slice computes the
-    whole fused product.
+    Only worth it under ``torch.compile`` with ``COMPILE_OPTIONS``, or with the fused eager layers (which call the
+    fused module itself): run eagerly through the slices, each computes the whole fused product.
 
     Args:
         model: a transformers model whose decoder layers subclass ``GradientCheckpointingLayer``.
@@ -202,14 +204,17 @@ def fuse_projections(model: nn.Module) -> FusionHandle:
     return handle
 
 
-def _fuse_layers(model: nn.Module, handle: FusionHandle) -> None:
-    """``fuse_projections``' loop over decoder layers and groups, adding to ``handle``.
+def _group_plans(model: nn.Module) -> list[tuple[tuple[str, ...], list[tuple[nn.Module, list[nn.Module]]], list[str]]]:
+    """Per group of ``PROJECTION_GROUPS``: its projection names, ``(container, projections)`` of every decoder layer
+    whose projections could share a fused module, and why the others cannot (``handle.skipped``'s entries; empty
+    when the group can be fused in every layer). Changes nothing.
 
-    A group (q|k|v, or gate|up) is fused in every layer or in none: layers of one class whose modules
-    differ would each need their own Dynamo graph, and past Dynamo's recompile limit (8) the layers run
-    uncompiled, where every fused slice computes the whole fused product.
+    A group (q|k|v, or gate|up) is fused in every layer or in none: layers of one class whose modules differ would
+    each need their own Dynamo graph, and past Dynamo's recompile limit (8) the layers run uncompiled, where every
+    fused slice computes the whole fused product.
     """
     layers = decoder_layers(model)
+    plans = []
     for container, names in PROJECTION_GROUPS:
         found, reasons = [], []
         for i, layer in enumerate(layers):
@@ -224,10 +229,24 @@ def _fuse_layers(model: nn.Module, handle: FusionHandle) -> None:
             if reason is not None:
                 reasons.append(f"{i}.{container}: {reason}")
             found.append((parent, mods))
+        if reasons and found and len(reasons) < len(layers):
+            reasons.append(f"{container}: fused in no layer, as {len(reasons)} of {len(layers)} cannot be")
+        plans.append((names, found, reasons))
+    return plans
+
+
+def unfusable(model: nn.Module) -> list[str]:
+    """Why ``fuse_projections`` would leave a group of ``model`` unfused (``"<layer index>.<container>: reason"``
+    entries, as ``FusionHandle.skipped``); empty when it would fuse q|k|v and gate|up in every decoder layer. Changes
+    nothing."""
+    return [reason for _, _, reasons in _group_plans(model) for reason in reasons]
+
+
+def _fuse_layers(model: nn.Module, handle: FusionHandle) -> None:
+    """``fuse_projections``' work: each group that ``_group_plans`` finds fusable in every layer is fused there."""
+    for names, found, reasons in _group_plans(model):
         if reasons:
             handle.skipped += reasons
-            if found and len(reasons) < len(layers):
-                handle.skipped.append(f"{container}: fused in no layer, as {len(reasons)} of {len(layers)} cannot be")
             continue
         for parent, mods in found:
             fused = _build_fused(mods)

@@ -134,7 +134,7 @@ class LLMEngine(EngineLifecycle):
         except BaseException:
             self.close()  # the model gets its attention back
             raise
-        # seconds: the KV pool's sizing (on CUDA a profiled forward) and the runner's start (compiled layers)
+        # seconds: the KV pool's sizing (on CUDA a profiled forward) and the runner's start (fused or compiled layers)
         self.startup_times = {"kv_sizing_s": sizing_s, "runner_s": time.perf_counter() - t0}
         logger.info("paged_transformers: KV pool of %d blocks of %d tokens, sized in %.1f s; runner ready in %.1f s%s",
                     self.cache.block_manager.num_blocks, self.config.block_size, sizing_s, self.startup_times["runner_s"],

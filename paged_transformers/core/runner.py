@@ -169,10 +169,11 @@ class ModelRunner:
         if reason is not None and fuse_projections and not compile_on:
             raise ValueError(f"fuse_projections=True with uncompiled layers needs the fused eager layers, which "
                              f"cannot run this model: {reason}")
+        if reason is not None:
+            logger.info("paged_transformers: the fused eager layers cannot run this model (%s); its layers are %s",
+                        reason, "compiled" if compile_on else "run by their own eager forward")
         if compile_on:
             self._compile(fuse=fuse_projections is not False)
-        elif reason is not None:
-            logger.info("paged_transformers: the layers run their own eager forward: %s", reason)
         self.cpu_linears: cpu_linear.RoutedLinears | None = None
         if self.device.type == "cpu" and not self.compiled and not self.fused_layers and cpu_linear.available():
             # eager fp32 projections through oneDNN (cpu_linear.py)

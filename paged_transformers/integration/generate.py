@@ -22,7 +22,7 @@ def paged_generate(
     """Generate completions for many prompts with paged attention and continuous batching.
 
     The call runs on the model's warm engine (``paged_transformers.integration.warm``: created on the first call, then reused with
-    its KV pool, compiled layers and CUDA graphs, and its prefix cache across calls). Every prompt is tokenized once
+    its KV pool, fused or compiled layers and CUDA graphs, and its prefix cache across calls). Every prompt is tokenized once
     and validated before any is queued, so a bad one raises before any KV block is taken. On return (or on error) the
     engine is detached: the model is its user's again, as it was.
 

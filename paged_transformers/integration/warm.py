@@ -1,8 +1,8 @@
 """One warm ``LLMEngine`` per model, shared by every entry point.
 
 ``paged_generate``, the patched ``model.generate()`` (and so ``pipeline("text-generation")``) and ``LLM`` run on
-the engine ``engine_for(model)`` returns: created on first use, with its KV pool, compiled layers, fused projections
-and CUDA graphs made once and reused by every later call. Each call runs inside ``attached_engine``::
+the engine ``engine_for(model)`` returns: created on first use, with its KV pool, fused (or compiled) layers, fused
+projections and CUDA graphs made once and reused by every later call. Each call runs inside ``attached_engine``::
 
     with attached_engine(model, tokenizer=tok, engine_config=cfg) as engine:  # lock; get; check weights; attach
         engine.add_request(...); engine.step(); ...
