@@ -198,6 +198,22 @@ def test_other_models_run_their_own_layers_by_default(tiny_model):
             model.cpu()
 
 
+def test_a_model_they_refuse_is_left_untouched(tiny_model):
+    """``fuse_projections=True`` with uncompiled layers on a Llama whose gate_proj has a hook (which fusion leaves
+    alone): a ValueError naming why, and no projection replaced or its weight moved to new storage."""
+    model = tiny_model("llama", seed=25).to(DEVICE)
+    handle = model.model.layers[1].mlp.gate_proj.register_forward_hook(lambda *a: None)
+    weights = {name: p.data_ptr() for name, p in model.named_parameters()}
+    try:
+        with pytest.raises(ValueError, match=r"cannot run this model: projections not fused: .*1\.mlp: hooks"):
+            LLMEngine(model, engine_config=_config("triton"))
+        assert {name: p.data_ptr() for name, p in model.named_parameters()} == weights
+        assert not any(isinstance(m, FusedLinearSlice) for m in model.modules())
+    finally:
+        handle.remove()
+        model.cpu()
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the default on CUDA (decode graphs)")
 def test_cuda_default_runs_fused_layers_and_compiles_the_layers_they_cannot_run(tiny_model):
     """``EngineConfig()`` on CUDA: Llama's layers run the fused eager forward in decode graphs, uncompiled; Gemma-2's
