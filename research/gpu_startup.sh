@@ -11,11 +11,11 @@ for variant in new old; do
   flag=""; [ "$variant" = old ] && flag="--specialize-one"
   export TORCHINDUCTOR_CACHE_DIR=$caches/inductor_$variant TRITON_CACHE_DIR=$caches/triton_$variant
   for run in cold warm; do
-    timeout 170 python3 research/startup_profile.py $flag --out "$OUT" --tag "${variant}_$run" > "$OUT/log_${variant}_$run.txt" 2>&1
+    timeout 170 python3 research/startup_profile.py --variant compiled $flag --out "$OUT" --tag "${variant}_$run" > "$OUT/log_${variant}_$run.txt" 2>&1
     echo "== $variant $run rc=$?"; grep -E '"(construction_s|first_call_s|second_call_s|b1_ms_per_step|b64_ms_per_step)"' "$OUT/log_${variant}_$run.txt"
   done
 done
 export TORCHINDUCTOR_CACHE_DIR=$caches/inductor_new TRITON_CACHE_DIR=$caches/triton_new
-timeout 120 python3 research/startup_profile.py --cprofile --out "$OUT" --tag new_warm_prof > "$OUT/log_prof.txt" 2>&1
+timeout 120 python3 research/startup_profile.py --variant compiled --cprofile --out "$OUT" --tag new_warm_prof > "$OUT/log_prof.txt" 2>&1
 echo "== prof rc=$?"; grep -E '"(construction_s|first_call_s)"' "$OUT/log_prof.txt"
 (cd "$OUT" && tar czf logs.tgz log_*.txt && rm -f log_*.txt startup_new_warm_prof.json)

@@ -11,12 +11,12 @@ OUT=${OUT:-research/out}; mkdir -p "$OUT"
 source research/startup_run.sh
 declare -A first
 for i in 1 2; do
-  for variant in before-compile-only tree; do
+  for variant in before-compile-only compiled; do
     caches=$(mktemp -d); [ "$i" = 1 ] && first[$variant]=$caches
     run_startup "${variant}_cold$i" "$variant" "$caches"
   done
 done
-for variant in before-compile-only tree; do
+for variant in before-compile-only compiled; do
   run_startup "${variant}_warm" "$variant" "${first[$variant]}"
 done
 run_startup eager-graphs_cold eager-graphs "$(mktemp -d)"

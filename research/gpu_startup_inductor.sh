@@ -10,7 +10,7 @@ run() {  # run TAG [--inductor-option NAME=VALUE ...]: one process on empty cach
   local tag=$1; shift
   local caches; caches=$(mktemp -d)
   TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton timeout 200 \
-    python3 research/startup_profile.py --out "$OUT" --tag "$tag" "$@" > "$OUT/log_$tag.txt" 2>&1
+    python3 research/startup_profile.py --variant compiled --out "$OUT" --tag "$tag" "$@" > "$OUT/log_$tag.txt" 2>&1
   echo "== $tag rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))
 print('construction', round(r['construction_s'],2), 'first call', round(r['first_call_s'],2),
       'ms/step b1 b64', round(r['b1_ms_per_step'],2), round(r['b64_ms_per_step'],2))" "$OUT/startup_$tag.json" 2>&1 | tail -1)"

@@ -11,7 +11,7 @@ OUT=${OUT:-research/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 run() {  # run TAG [ENV=VALUE ...]: one process, its report in $OUT/startup_TAG.json
   local tag=$1; shift
-  env "$@" timeout 150 python3 research/startup_profile.py --out "$OUT" --tag "$tag" > "$OUT/log_$tag.txt" 2>&1
+  env "$@" timeout 150 python3 research/startup_profile.py --variant compiled --out "$OUT" --tag "$tag" > "$OUT/log_$tag.txt" 2>&1
   echo "== $tag rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); c=r['cache_counters_construction']
 print(round(r['construction_s'],2), round(r['first_call_s'],2), {g: dict(v) for g, v in c.items() if v})" "$OUT/startup_$tag.json" 2>&1 | tail -1)"
 }

@@ -12,7 +12,7 @@ export TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2
 for run in cold warm; do
   timeout 170 py-spy record --format raw --rate 50 --idle --threads --subprocesses --nonblocking \
-    -o "$OUT/spy_$run.txt" -- python3 research/startup_profile.py --out "$OUT" --tag "$run" > "$OUT/log_$run.txt" 2>&1
+    -o "$OUT/spy_$run.txt" -- python3 research/startup_profile.py --variant compiled --out "$OUT" --tag "$run" > "$OUT/log_$run.txt" 2>&1
   echo "== $run rc=$?"; grep -E '"(construction_s|first_call_s|second_call_s|b1_ms_per_step|b64_ms_per_step)"' "$OUT/log_$run.txt"
 done
 timeout 240 paged-transformers bench --entry-points --model llama-3-8b --output-json "$OUT/entry_points.json" \
