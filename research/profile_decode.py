@@ -6,7 +6,8 @@ Usage (GPU)::
 
 1. Llama-3-8B shape, random bf16 weights (``--quantization gptq|awq``: random 4-bit group-128 weights of that
    format), the engine's defaults (CUDA graphs on), once with the decoder
-   layers compiled (``compile_layers``, the default) and once eager (``--compile`` picks). For each batch
+   layers compiled (``compile_layers=True``) and once uncompiled (``compile_layers=False``: with ``--fuse on`` the
+   fused eager layers, the engine's default for Llama since 2026-12-06; ``--compile`` picks). For each batch
    size in ``--batches`` (default 1 and 256): that many requests of ``--context`` prompt tokens are
    prefilled, then ``--steps`` decode steps (CUDA-graph replays) run under ``torch.profiler``; kernels are
    grouped by name and reported as microseconds and launches per step, next to the step's wall time.
