@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compile_group = parser.add_mutually_exclusive_group()
     compile_group.add_argument("--compile", action="store_true",
                                help="torch.compile the decoder layers (compile_layers=True) even where the fused eager "
-                                    "layers apply")
+                                    "layers apply; neither flag: compile_layers=None, the fused eager layers on CUDA "
+                                    "where they apply, else compiled layers with CUDA graphs")
     compile_group.add_argument("--no-compile", action="store_true",
                                help="never torch.compile the decoder layers (compile_layers=False: the fused eager "
                                     "layers where they apply, else the model's own)")
