@@ -8,6 +8,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-research/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2  # python3's pip: the image's `pip` is another Python's
 source research/startup_run.sh
 for i in $(seq "${ROUNDS:-1}"); do
   for variant in tree compiled; do

@@ -6,6 +6,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-research/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2  # python3's pip: the image's `pip` is another Python's
 for q in bf16 gptq awq; do
   flag=""; [ "$q" != bf16 ] && flag="--quantization $q"
   timeout 170 paged-transformers bench --model llama-3-8b --no-batch1 $flag --output-json "$OUT/workload_$q.json" \
