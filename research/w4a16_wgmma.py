@@ -35,7 +35,8 @@ which ptxas compiles to ``MEMBAR.ALL.CTA`` and which may wait for the thread's o
 the workload ran at 0.96x of the product's GPTQ, with TMA copies at 1.05x. Nsight Compute then showed the weight
 tile's stores 4-way bank-conflicted (lanes 4 columns apart) and the zero points converted by I2F in the loop; without
 both, gate|up at M = 128 took 60.3 us against bf16's 83.8 and the product's 195.7 (M = 256: 119.6 / 97.8 / 212.8).
-That version has not run end to end.
+That version has not run end to end. Split-K there added the partials into a ``torch.zeros`` workspace and cast
+after (two more kernels per call); it is now serial in the same launch (``_workspace``), compiled but not yet run.
 """
 
 import argparse
@@ -176,7 +177,9 @@ def w4a16_wgmma_kernel(
     p_desc,  # of qweight int32 [K // 8, N] (4-bit GPTQ layout), block [BLOCK_K // 8, BLOCK_N]
     s_desc,  # of scales fp16 [G, N], block [1, BLOCK_N]
     z_desc,  # of zero points int16 [G, N], block [1, BLOCK_N]
-    out_ptr,  # [M, N] x.dtype (SPLIT_K == 1) or fp32 zeroed workspace (SPLIT_K > 1, atomically added)
+    out_ptr,  # [M, N] x.dtype
+    ws_ptr,  # fp32 [M, N] workspace, zero between calls (SPLIT_K > 1)
+    lock_ptr,  # int32 per-tile arrival counters, zero between calls (SPLIT_K > 1)
     M, N, K, stride_om,
     GROUP_SIZE: gl.constexpr,  # a multiple of BLOCK_K (or K): every K step lies in one group
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
@@ -232,13 +235,25 @@ def w4a16_wgmma_kernel(
     if SPLIT_K == 1:
         gl.store(optr, acc.to(DT), mask=omask)
     else:
-        gl.atomic_add(optr, acc, mask=omask)
+        # serial split-K in one launch, as the product's _write_tile: relaxed fp32 adds into the zeroed workspace, then
+        # the tile's arrival counter (acq_rel); the last program reads the sum back, leaves zeros and resets the counter
+        wptr = ws_ptr + gl.expand_dims(om, 1) * N + gl.expand_dims(on, 0)
+        gl.atomic_add(wptr, acc, mask=omask, sem="relaxed")
+        gl.thread_barrier()
+        arrived = gl.atomic_add(lock_ptr + pid, 1)
+        if arrived == SPLIT_K - 1:
+            zero = gl.zeros_like(acc)
+            total = gl.atomic_add(wptr, zero, mask=omask, sem="relaxed")  # an L2-coherent read of the sum
+            gl.store(wptr, zero, mask=omask)
+            gl.store(optr, total.to(DT), mask=omask)
+            gl.atomic_xchg(lock_ptr + pid, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # host side (torch imported here: --compile-only runs without it)
 
 _WS = {}
+_RETIRED = []
 
 
 def wgmma_matmul(x, qweight, scales, zeros, group_size, block_m, block_n, block_k, stages, num_warps, fast=False,
@@ -246,7 +261,8 @@ def wgmma_matmul(x, qweight, scales, zeros, group_size, block_m, block_n, block_
     """``x @ dequant(W)`` through ``w4a16_wgmma_kernel`` (4-bit, fp16 scales, int16 zeros).
 
     Args: x ``[M, K]`` bf16/fp16 contiguous; qweight int32 ``[K // 8, N]``; scales fp16 ``[G, N]``; zeros int16
-        ``[G, N]``; tile sizes; ``split_k`` > 1 adds fp32 partials into a zeroed workspace, then casts.
+        ``[G, N]``; tile sizes; ``fast`` (bf16 x: the scale rounded to bf16); ``split_k`` > 1: serial split-K in the
+        same launch, through a zeroed fp32 workspace and per-tile counters (``_workspace``).
     Returns: ``[M, N]`` in x.dtype.
     Raises: ValueError when the shape does not fit the tiles (N % block_n, K % (block_k * split_k), group size).
     """
@@ -258,12 +274,26 @@ def wgmma_matmul(x, qweight, scales, zeros, group_size, block_m, block_n, block_
         raise ValueError(f"shape M={M} N={N} K={K} g={group_size} does not fit {block_m}x{block_n}x{block_k} "
                          f"split {split_k}")
     grid = (triton.cdiv(M, block_m) * (N // block_n), split_k)
-    out = (torch.empty((M, N), dtype=x.dtype, device=x.device) if split_k == 1
-           else torch.zeros((M, N), dtype=torch.float32, device=x.device))
-    w4a16_wgmma_kernel[grid](*descriptors(x, qweight, scales, zeros, block_m, block_n, block_k), out, M, N, K,
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    ws, locks = _workspace(x.device, M * N, grid[0]) if split_k > 1 else (out, out)
+    w4a16_wgmma_kernel[grid](*descriptors(x, qweight, scales, zeros, block_m, block_n, block_k), out, ws, locks, M, N, K,
                              out.stride(0), GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                              STAGES=stages, SPLIT_K=split_k, FAST=fast, num_warps=num_warps)
-    return out if split_k == 1 else out.to(x.dtype)
+    return out
+
+
+def _workspace(device, numel: int, tiles: int):
+    """The split-K workspace and counters of ``device`` (zero between calls: the kernel leaves them so), grown as
+    needed; outgrown buffers are kept alive for CUDA graphs that captured them."""
+    import torch
+
+    ws, locks = _WS.get(device, (None, None))
+    if ws is None or ws.numel() < numel or locks.numel() < tiles:
+        _RETIRED.extend(b for b in (ws, locks) if b is not None)
+        ws = torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device)
+        locks = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+        _WS[device] = (ws, locks)
+    return ws, locks
 
 
 def descriptors(x, qweight, scales, zeros, block_m, block_n, block_k):
@@ -307,8 +337,9 @@ def splits_for(M, N, K, bm, bn, bk, sms=132):
 
 
 def compile_only():
-    """sm_90 compile of every candidate (bf16 and fp16 x, K = 4096): registers, spills, shared memory, and the SASS
-    instruction mix (no GPU needed; the CPU machine's triton must be the device's 3.6)."""
+    """sm_90 compile of every candidate (bf16 and fp16 x, K = 4096, split-K 2: the serial split-K epilogue too):
+    registers, spills, shared memory, the wgmma waits ptxas kept, and the SASS instruction mix (no GPU needed; the
+    CPU machine's triton should be the device's 3.6)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -324,13 +355,14 @@ def compile_only():
         for bm, bn, bk, st, nw, fast in CANDIDATES:
             names = ["x_desc", "p_desc", "s_desc", "z_desc"]
             sig = {n: mangle_type(d) for n, d in zip(names, descriptors(x, q, sc, z, bm, bn, bk))}
-            sig.update({"out_ptr": f"*{dt}", "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32"})
-            consts = dict(GROUP_SIZE=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, SPLIT_K=1, FAST=fast,
+            sig.update({"out_ptr": f"*{dt}", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                        "stride_om": "i32"})
+            consts = dict(GROUP_SIZE=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, SPLIT_K=2, FAST=fast,
                           num_warps=nw)
             for k in consts:
                 sig[k] = "constexpr"
             src = GluonASTSource(w4a16_wgmma_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
-                                 attrs={(i,): [["tt.divisibility", 16]] for i in (4, 6, 7, 8)})
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 8, 9, 10)})
             t0 = time.time()
             try:
                 k = triton.compile(src, target=target, options={"num_warps": nw})
