@@ -1,10 +1,6 @@
 """One launch of the Gluon W4A16 kernel (``research/w4a16_wgmma.py``) per case, and of the bf16 matmul of the same
-shape, between cudaProfilerStart/Stop, for Nsight Compute: where its K steps wait. On the GPU machine::
-
-    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
-        --section Occupancy --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis \
-        -o $OUT/ncu_wgmma python3 research/ncu_wgmma.py
-    ncu -i $OUT/ncu_wgmma.ncu-rep --page source --csv --print-source sass > $OUT/ncu_wgmma_source.csv
+shape, between cudaProfilerStart/Stop, for Nsight Compute: where its K steps wait. ``bash research/gpu_ncu_wgmma.sh``
+runs it under ``ncu`` on the GPU machine and writes the report's details and per-instruction source pages.
 
 Cases: the gate|up shape (4096x28672) at M = 64 and 256, and the down shape (14336x4096) at M = 64, each with the
 config that won there in the H100 sweep of 2026-12-06 (``benchmarks/results/w4a16_wgmma_h100_2026-12-06_tma_fast.json``).

@@ -54,8 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 def _dequant_asm(magic_pair: int, dtype: str) -> str:
     """PTX: int32 ``$8`` (8 fields), ``$9`` = ``B + z`` in both 16-bit halves, ``$10`` = fp32 scale ->
-    ``$0..$7`` = ``(q_j - z) * s`` rounded once to ``dtype`` (bf16: products in fp32; fp16: ``mul.rn.f16x2`` of two
-    exact operands is the same single rounding)."""
+    ``$0..$7`` = ``(q_j - z) * s`` in ``dtype``: "bf16" rounds once (products in fp32), "fp16" too (``mul.rn.f16x2``
+    of two exact operands), "bf16_fast" twice (the scale to bf16, then ``mul.rn.bf16x2``)."""
     lines = ["{", ".reg .b32 sh, t0, t1, t2, t3, lo, hi, sp;", "shr.u32 sh, $8, 4;"]
     lines += [f"prmt.b32 t{i}, $8, sh, {(4 + i) << 8 | i:#06x};" for i in range(4)]
     lines += [f"lop3.b32 t{i}, t{i}, 0x000F000F, {magic_pair:#010x}, 0xEA;" for i in range(4)]
@@ -106,10 +106,10 @@ def _instr_n(BLOCK_M, BLOCK_N, num_warps):
 @gluon.constexpr_function
 def _p_layout(BLOCK_N, TK, num_warps):
     """Layout of the packed words ``[BLOCK_N, TK]``: one column per lane, 32 consecutive columns per warp, warps along
-    K while words remain, then along N. A thread's word becomes 8 consecutive K values of one column, one 16-byte
-    store into the 128B-swizzled weight tile; with lanes on consecutive rows every 8 stores of a warp hit distinct
-    banks (lanes 4 rows apart, 4 columns per thread, made those stores 4-way bank-conflicted: Nsight Compute,
-    2026-12-06)."""
+    K while words remain, then along N. A thread's word becomes 8 consecutive K values of one column n, one 16-byte
+    store into row n of the 128B-swizzled ``[BLOCK_N, BLOCK_K]`` tile; with lanes on consecutive rows every 8 stores
+    of a warp hit distinct banks (4 columns per thread, lanes 4 rows apart, made them 4-way bank-conflicted: Nsight
+    Compute, 2026-12-06)."""
     lanes_n = min(32, BLOCK_N)
     lanes_k = 32 // lanes_n
     warps_k = min(num_warps, max(TK // lanes_k, 1))
@@ -142,7 +142,7 @@ def _step(x_desc, p_desc, s_desc, z_desc, x_smem, w_smem, p_smem, s_smem, z_smem
     p = p_smem.index(slot).permute((1, 0)).load(P_LAYOUT)  # int32 [BLOCK_N, BLOCK_K // 8]
     sv = s_smem.index(slot).permute((1, 0)).load(P_LAYOUT).to(gl.float32)  # [BLOCK_N, 1]
     zv = z_smem.index(slot).permute((1, 0)).load(P_LAYOUT).to(gl.int32)
-    zb = zv | MAGIC_BITS  # B + z in DT (z in [0, 15], B's mantissa step 1): integer ops only, no I2F
+    zb = zv | MAGIC_BITS  # B + z in DT (0 <= z < 128: B's low mantissa bits are zero): integer ops only, no I2F
     zpair = zb | (zb << 16)
     if DT == gl.bfloat16 and FAST:
         f = gl.inline_asm_elementwise(_ASM_BF16_FAST, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [p, zpair, sv],
@@ -186,8 +186,8 @@ def w4a16_wgmma_kernel(
     FAST: gl.constexpr,  # bf16 x: the scale rounded to bf16, one mul.bf16x2 per pair (else fp32, one rounding)
     num_warps: gl.constexpr,
 ):  # fmt: skip
-    """``out[off_m:, off_n:] (+)= x @ dequant(W)`` for one ``[BLOCK_M, BLOCK_N]`` tile over K slice
-    ``program_id(1)``; N % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0 (checked by the host)."""
+    """``out = x @ dequant(W)`` for one ``[BLOCK_M, BLOCK_N]`` tile, the programs ``program_id(1)`` of a tile each
+    taking one K slice (split-K); N % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0 (checked by the host)."""
     DT: gl.constexpr = x_desc.dtype
     pid = gl.program_id(0)
     num_m = gl.cdiv(M, BLOCK_M)
@@ -250,7 +250,7 @@ def w4a16_wgmma_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# host side (torch imported here: --compile-only runs without it)
+# host side (torch imported in the functions: the module imports with triton alone)
 
 _WS = {}
 _RETIRED = []

@@ -2,8 +2,7 @@
 part of the product: ``w4a16_matmul`` is wrapped so that, for 4-bit fp16/bf16 layers and ``M >= --min-m``, every
 (shape, M) whose best Gluon config beat the product's default in a sweep (``w4a16_wgmma.py --out``) runs that config
 (the sweep's M at or above the call's M), and everything else (prefill chunks above the largest swept M included) runs
-the product's path. Then
-``paged-transformers`` runs in this process with the remaining arguments.
+the product's path. Then ``paged-transformers`` runs in this process with the remaining arguments.
 
     python research/w4a16_wgmma_e2e.py --table $OUT/w4a16_wgmma.json -- bench --model llama-3-8b --no-batch1 \
         --quantization gptq --output-json $OUT/workload_gptq_wgmma.json
@@ -45,7 +44,8 @@ def install(table: dict, min_m: int) -> dict:
         rows = table.get((K, N))
         cfg = None
         if (rows and config is None and bits == 4 and M >= min_m and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-                and scales.dtype == torch.float16 and x.stride(1) == 1 and x.stride(0) == K):
+                and scales.dtype == torch.float16 and x.stride(1) == 1 and x.stride(0) == K
+                and x.data_ptr() % 16 == 0):  # TMA: a 16-byte-aligned base
             i = bisect.bisect_left([m for m, _ in rows], M)
             cfg = rows[i][1] if i < len(rows) else None  # above the largest swept M (prefill chunks): the product
         if cfg is None:
