@@ -20,8 +20,9 @@ x is read in its own K order (no permutation, no repack): the weight tile goes t
 the register operand, one 16-byte store per 8 weights. Step 0 runs before the loop (``use_acc=False``): a zeroed
 accumulator reaching the last wait made ptxas serialize every wgmma (its C7515 note).
 
-    TRITON_INTERPRET is not supported by Gluon. On the CPU machine (no GPU; torch and the device's triton 3.6):
+    TRITON_INTERPRET is not supported by Gluon. On the CPU machine (no GPU; torch and triton 3.6, the device's, or later):
     python research/w4a16_wgmma.py --compile-only          # sm_90: registers, spills, shared memory, SASS mix
+    python -m pytest research/test_w4a16_wgmma.py           # the same compiles, asserted
     On the GPU:
     python research/w4a16_wgmma.py --out $OUT/w4a16_wgmma.json   # check against the reference, then the sweep
     python research/w4a16_wgmma.py --quick --out ...            # 5 configs, gate|up and down, M = 64 / 128 / 256
@@ -50,6 +51,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+
+# TMA global -> shared copy: ``async_copy_global_to_shared`` in triton 3.6 (the device's), renamed ``async_load`` later
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# a CTA-wide barrier: ``thread_barrier`` in 3.6, ``barrier`` later
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 def _dequant_asm(magic_pair: int, dtype: str) -> str:
@@ -123,10 +129,10 @@ def _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem
     bar = bars.index(slot)
     mbarrier.expect(bar, x_desc.block_type.nbytes + p_desc.block_type.nbytes + s_desc.block_type.nbytes
                     + z_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [off_m, k0], bar, x_smem.index(slot))
-    tma.async_copy_global_to_shared(p_desc, [k0 // 8, off_n], bar, p_smem.index(slot))
-    tma.async_copy_global_to_shared(s_desc, [k0 // GROUP_SIZE, off_n], bar, s_smem.index(slot))
-    tma.async_copy_global_to_shared(z_desc, [k0 // GROUP_SIZE, off_n], bar, z_smem.index(slot))
+    _tma_load(x_desc, [off_m, k0], bar, x_smem.index(slot))
+    _tma_load(p_desc, [k0 // 8, off_n], bar, p_smem.index(slot))
+    _tma_load(s_desc, [k0 // GROUP_SIZE, off_n], bar, s_smem.index(slot))
+    _tma_load(z_desc, [k0 // GROUP_SIZE, off_n], bar, z_smem.index(slot))
 
 
 @gluon.jit
@@ -139,7 +145,8 @@ def _step(x_desc, p_desc, s_desc, z_desc, x_smem, w_smem, p_smem, s_smem, z_smem
     MAGIC_BITS: gl.constexpr = 0x4300 if DT == gl.bfloat16 else 0x6400
     slot = i % STAGES
     mbarrier.wait(bars.index(slot), phase=(i // STAGES) & 1)
-    p = p_smem.index(slot).permute((1, 0)).load(P_LAYOUT)  # int32 [BLOCK_N, BLOCK_K // 8]
+    pbuf = p_smem.index(slot).permute((1, 0))
+    p = pbuf.load(P_LAYOUT)  # int32 [BLOCK_N, BLOCK_K // 8]
     sv = s_smem.index(slot).permute((1, 0)).load(P_LAYOUT).to(gl.float32)  # [BLOCK_N, 1]
     zv = z_smem.index(slot).permute((1, 0)).load(P_LAYOUT).to(gl.int32)
     zb = zv | MAGIC_BITS  # B + z in DT (0 <= z < 128: B's low mantissa bits are zero): integer ops only, no I2F
@@ -157,13 +164,15 @@ def _step(x_desc, p_desc, s_desc, z_desc, x_smem, w_smem, p_smem, s_smem, z_smem
     w = gl.join(gl.join(gl.join(f[0], f[4]), gl.join(f[2], f[6])), gl.join(gl.join(f[1], f[5]), gl.join(f[3], f[7])))
     w = gl.reshape(w, [BLOCK_N, BLOCK_K])  # row n: the step's K values in order
     wbuf = w_smem.index(i % 2)
+    gl.static_assert(gl.bank_conflicts(p.type, pbuf.type) == 0)
+    gl.static_assert(gl.bank_conflicts(w.type, wbuf.type) == 0)
     wbuf.store(w)  # its last reader, wgmma i - 2, was waited for at the end of step i - 1 (in every warpgroup)
     fence_async_shared()  # generic-proxy stores before the async-proxy reads of the wgmma
-    gl.thread_barrier()
+    _barrier()
     acc = warpgroup_mma(x_smem.index(slot), wbuf.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # wgmma i - 1 is done: slot (i - 1) % STAGES is free
     if gl.num_warps() > 4:
-        gl.thread_barrier()  # ... in every warpgroup
+        _barrier()  # ... in every warpgroup
     nxt = i + STAGES - 1
     if nxt < n_steps:
         _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, nxt % STAGES,
@@ -239,7 +248,7 @@ def w4a16_wgmma_kernel(
         # the tile's arrival counter (acq_rel); the last program reads the sum back, leaves zeros and resets the counter
         wptr = ws_ptr + gl.expand_dims(om, 1) * N + gl.expand_dims(on, 0)
         gl.atomic_add(wptr, acc, mask=omask, sem="relaxed")
-        gl.thread_barrier()
+        _barrier()
         arrived = gl.atomic_add(lock_ptr + pid, 1)
         if arrived == SPLIT_K - 1:
             zero = gl.zeros_like(acc)
@@ -336,71 +345,72 @@ def splits_for(M, N, K, bm, bn, bk, sms=132):
     return sorted(out)
 
 
-def compile_only():
-    """sm_90 compile of every candidate (bf16 and fp16 x, K = 4096, split-K 2: the serial split-K epilogue too):
-    registers, spills, shared memory, the wgmma waits ptxas kept, and the SASS instruction mix (no GPU needed; the
-    CPU machine's triton should be the device's 3.6)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+def compile_sm90(dtype: str, cand: tuple, split_k: int = 2):
+    """Compile the kernel for sm_90 on any machine (no GPU): ``dtype`` "bf16" / "fp16", ``cand`` a ``CANDIDATES``
+    tuple, K = 4096, N = 4096, group 128 (split-K 2 compiles the serial split-K epilogue too).
 
-    import torch
-    from triton.runtime.jit import mangle_type
-
-    target = GPUTarget("cuda", 90, 32)
-    K, N, M = 4096, 4096, 256
-    q, sc, z = (torch.zeros(K // 8, N, dtype=torch.int32), torch.zeros(K // 128, N, dtype=torch.float16),
-                torch.zeros(K // 128, N, dtype=torch.int16))
-    for dt in ("bf16", "fp16"):
-        x = torch.zeros(M, K, dtype=torch.bfloat16 if dt == "bf16" else torch.float16)
-        for bm, bn, bk, st, nw, fast in CANDIDATES:
-            names = ["x_desc", "p_desc", "s_desc", "z_desc"]
-            sig = {n: mangle_type(d) for n, d in zip(names, descriptors(x, q, sc, z, bm, bn, bk))}
-            sig.update({"out_ptr": f"*{dt}", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                        "stride_om": "i32"})
-            consts = dict(GROUP_SIZE=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, SPLIT_K=2, FAST=fast,
-                          num_warps=nw)
-            for k in consts:
-                sig[k] = "constexpr"
-            src = GluonASTSource(w4a16_wgmma_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
-                                 attrs={(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 8, 9, 10)})
-            t0 = time.time()
-            try:
-                k = triton.compile(src, target=target, options={"num_warps": nw})
-            except Exception as e:  # noqa: BLE001
-                print(f"{dt} {bm}x{bn}x{bk} s{st} w{nw} fast={fast}: FAILED {type(e).__name__}: {str(e)[:2000]}")
-                continue
-            ptx = k.asm["ptx"]
-            stats, loop = _ptxas_stats(ptx, k.asm["cubin"])
-            print(f"{dt} {bm}x{bn}x{bk} s{st} w{nw} fast={fast}: {stats}; smem {k.metadata.shared} B; SASS {loop} "
-                  f"({time.time() - t0:.1f}s)", flush=True)
-
-
-def _ptxas_stats(ptx: str, cubin: bytes) -> tuple[str, str]:
-    """``ptxas -v``'s register / spill line for the kernel, and a count of the SASS instructions by opcode class."""
-    import collections
-    import re
+    Returns: ``(compiled kernel, ptxas -v's stderr, the SASS)``. Raises: triton's CompilationError (a static assert
+    of the kernel, e.g. bank conflicts, included)."""
     import subprocess
     import tempfile
 
+    import torch
+    from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
 
-    bindir = os.path.dirname(get_ptxas(90).path)
+    bm, bn, bk, st, nw, fast = cand
+    K, N, M = 4096, 4096, 256
+    x = torch.zeros(M, K, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
+    q, sc, z = (torch.zeros(K // 8, N, dtype=torch.int32), torch.zeros(K // 128, N, dtype=torch.float16),
+                torch.zeros(K // 128, N, dtype=torch.int16))
+    names = ["x_desc", "p_desc", "s_desc", "z_desc"]
+    sig = {n: mangle_type(d) for n, d in zip(names, descriptors(x, q, sc, z, bm, bn, bk))}
+    sig.update({"out_ptr": f"*{dtype}", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                "stride_om": "i32"})
+    consts = dict(GROUP_SIZE=128, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, SPLIT_K=split_k, FAST=fast,
+                  num_warps=nw)
+    sig.update({k: "constexpr" for k in consts})
+    src = GluonASTSource(w4a16_wgmma_kernel, sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 8, 9, 10)})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+    ptxas = get_ptxas(90).path  # the ptxas triton itself uses for this PTX version
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.ptx"), "w") as f:
-            f.write(ptx)
-        r = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
-                            os.path.join(d, "k.o")], capture_output=True, text=True)
+            f.write(kernel.asm["ptx"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
         with open(os.path.join(d, "k.cubin"), "wb") as f:
-            f.write(cubin)
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", os.path.join(d, "k.cubin")],
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", os.path.join(d, "k.cubin")],
                               capture_output=True, text=True).stdout
-    used = [l.split("ptxas info    :")[-1].strip() for l in r.stderr.splitlines()
-            if "Used" in l or "spill" in l or "Performance Loss" in l]
-    # the wgmma waits ptxas kept: "gsb0, 0x1" leaves one wgmma group in flight; only "0x0" in the loop serializes
-    used.append("waits " + ", ".join(sorted(set(re.findall(r"DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)))))
-    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
-    top = ", ".join(f"{k} {v}" for k, v in ops.most_common(14))
-    return " | ".join(used), top
+    return kernel, r.stderr, sass
+
+
+def compile_only():
+    """``compile_sm90`` of every candidate, bf16 and fp16 x: registers, spills, ptxas's performance notes, the wgmma
+    waits it kept, shared memory and the SASS instruction mix (the CPU machine's triton should be the device's 3.6)."""
+    import collections
+    import re
+
+    for dt in ("bf16", "fp16"):
+        for cand in CANDIDATES:
+            t0 = time.time()
+            name = f"{dt} {cand[0]}x{cand[1]}x{cand[2]} s{cand[3]} w{cand[4]} fast={cand[5]}"
+            try:
+                kernel, ptxas_log, sass = compile_sm90(dt, cand)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+                continue
+            stats = [l.split("info    :")[-1].strip() for l in ptxas_log.splitlines()
+                     if "Used" in l or "spill" in l or "Performance Loss" in l]
+            # "gsb0, 0x1" leaves one wgmma group in flight; only "0x0" in the loop would serialize them
+            stats.append("waits " + ", ".join(sorted(set(re.findall(r"DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)))))
+            ops = collections.Counter(m.group(1).split(".")[0]
+                                      for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+            print(f"{name}: {' | '.join(stats)}; smem {kernel.metadata.shared} B; SASS "
+                  f"{', '.join(f'{k} {v}' for k, v in ops.most_common(14))} ({time.time() - t0:.1f}s)", flush=True)
 
 
 def main() -> None:
