@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-research/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2  # python3's pip: the image's `pip` is another Python's
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-timeout 260 python3 research/w4a16_wgmma.py --out "$OUT/w4a16_wgmma.json" --budget-s 120 > "$OUT/log_wgmma.txt" 2>&1
+timeout 280 python3 research/w4a16_wgmma.py --out "$OUT/w4a16_wgmma.json" --budget-s 140 > "$OUT/log_wgmma.txt" 2>&1
 echo "== wgmma sweep rc=$?"; grep -c "'rel_err'" "$OUT/log_wgmma.txt"; grep "error\|Error" "$OUT/log_wgmma.txt" | head -5
 grep -A40 "K x N" "$OUT/log_wgmma.txt"
 bench() {  # name, then the command

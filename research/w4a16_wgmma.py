@@ -324,6 +324,7 @@ CANDIDATES = [
     (64, 64, 64, 4, 4, True), (64, 128, 128, 3, 4, True), (128, 128, 64, 3, 4, True), (128, 64, 64, 4, 4, True),
     (64, 128, 64, 3, 8, False), (64, 256, 64, 3, 8, False), (64, 128, 64, 3, 8, True), (64, 256, 64, 3, 8, True),
     (128, 256, 64, 3, 8, True), (256, 128, 64, 3, 8, True),
+    (64, 128, 64, 4, 4, False),  # two CTAs per SM (84 KB of shared memory), where 64x128x128 fits one
 ]
 
 # the winners of the H100 sweep of 2026-12-06 on the gate|up and down shapes
