@@ -276,6 +276,7 @@ def workload(model, requests: list[BenchRequest], config: EngineConfig) -> dict:
 def run_entry_points(args) -> dict:
     """All scenarios on one model (``--model``, ``--dtype``, ``--device``), in the order of the module docstring;
     returns the report dict (``bench_main`` writes and prints it)."""
+    from .command import compile_layers_arg
     from .report import device_info, versions
     from .workload import build_model, synthetic_workload
 
@@ -285,7 +286,7 @@ def run_entry_points(args) -> dict:
     config = EngineConfig(gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                          compile_layers=True if args.compile else False if args.no_compile else None)
+                          compile_layers=compile_layers_arg(args))
     requests = synthetic_workload(args.num_requests, tuple(args.input_len_range), tuple(args.output_len_range),
                                   model.config.get_text_config().vocab_size, args.seed)
     repeats = args.repeats

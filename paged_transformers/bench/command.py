@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None, help="write the report here; None: the table only")
 
 
+def compile_layers_arg(args) -> bool | None:
+    """``EngineConfig.compile_layers`` from ``--compile`` / ``--no-compile``: True / False, None when neither is given."""
+    return True if args.compile else False if args.no_compile else None
+
+
 def _engine_config(args, requests: list[BenchRequest], **overrides) -> EngineConfig:
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     fields = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -88,7 +93,7 @@ def _engine_config(args, requests: list[BenchRequest], **overrides) -> EngineCon
                   max_model_len=args.max_model_len or -(-longest // 256) * 256,
                   gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks,
                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                  compile_layers=True if args.compile else False if args.no_compile else None, tensor_parallel_size=args.tensor_parallel_size)
+                  compile_layers=compile_layers_arg(args), tensor_parallel_size=args.tensor_parallel_size)
     if args.no_prefix_caching and "enable_prefix_caching" in EngineConfig.__dataclass_fields__:
         fields["enable_prefix_caching"] = False
     fields.update(overrides)
