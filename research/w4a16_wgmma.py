@@ -37,7 +37,8 @@ the workload ran at 0.96x of the product's GPTQ, with TMA copies at 1.05x. Nsigh
 tile's stores 4-way bank-conflicted (lanes 4 columns apart) and the zero points converted by I2F in the loop; without
 both, gate|up at M = 128 took 60.3 us against bf16's 83.8 and the product's 195.7 (M = 256: 119.6 / 97.8 / 212.8).
 That version has not run end to end. Split-K there added the partials into a ``torch.zeros`` workspace and cast
-after (two more kernels per call); it is now serial in the same launch (``_workspace``), compiled but not yet run.
+after (two more kernels per call); it is now serial in the same launch (the product's ``matmul._WORKSPACE``),
+compiled but not yet run.
 """
 
 import argparse
@@ -261,21 +262,19 @@ def w4a16_wgmma_kernel(
 # ---------------------------------------------------------------------------------------------------------------------
 # host side (torch imported in the functions: the module imports with triton alone)
 
-_WS = {}
-_RETIRED = []
-
-
 def wgmma_matmul(x, qweight, scales, zeros, group_size, block_m, block_n, block_k, stages, num_warps, fast=False,
                  split_k=1):
     """``x @ dequant(W)`` through ``w4a16_wgmma_kernel`` (4-bit, fp16 scales, int16 zeros).
 
     Args: x ``[M, K]`` bf16/fp16 contiguous; qweight int32 ``[K // 8, N]``; scales fp16 ``[G, N]``; zeros int16
         ``[G, N]``; tile sizes; ``fast`` (bf16 x: the scale rounded to bf16); ``split_k`` > 1: serial split-K in the
-        same launch, through a zeroed fp32 workspace and per-tile counters (``_workspace``).
+        same launch, through the product's zeroed fp32 workspace and per-tile counters (``matmul._WORKSPACE``).
     Returns: ``[M, N]`` in x.dtype.
     Raises: ValueError when the shape does not fit the tiles (N % block_n, K % (block_k * split_k), group size).
     """
     import torch
+
+    from paged_transformers.kernels.w4a16.matmul import _WORKSPACE
 
     M, K = x.shape
     N = qweight.shape[1]
@@ -284,25 +283,12 @@ def wgmma_matmul(x, qweight, scales, zeros, group_size, block_m, block_n, block_
                          f"split {split_k}")
     grid = (triton.cdiv(M, block_m) * (N // block_n), split_k)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    ws, locks = _workspace(x.device, M * N, grid[0]) if split_k > 1 else (out, out)
+    # the product's split-K workspace and tile counters (zero between calls; the kernel leaves them so)
+    ws, locks = _WORKSPACE.get(x.device, M * N, grid[0]) if split_k > 1 else (out, out)
     w4a16_wgmma_kernel[grid](*descriptors(x, qweight, scales, zeros, block_m, block_n, block_k), out, ws, locks, M, N, K,
                              out.stride(0), GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                              STAGES=stages, SPLIT_K=split_k, FAST=fast, num_warps=num_warps)
     return out
-
-
-def _workspace(device, numel: int, tiles: int):
-    """The split-K workspace and counters of ``device`` (zero between calls: the kernel leaves them so), grown as
-    needed; outgrown buffers are kept alive for CUDA graphs that captured them."""
-    import torch
-
-    ws, locks = _WS.get(device, (None, None))
-    if ws is None or ws.numel() < numel or locks.numel() < tiles:
-        _RETIRED.extend(b for b in (ws, locks) if b is not None)
-        ws = torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device)
-        locks = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
-        _WS[device] = (ws, locks)
-    return ws, locks
 
 
 def descriptors(x, qweight, scales, zeros, block_m, block_n, block_k):
