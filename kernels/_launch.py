@@ -157,6 +157,14 @@ def _kernels_of(mod) -> list:
 
 
 @functools.lru_cache(maxsize=None)
+def cuda_capability(device: torch.device, stand_in: tuple[int, int]) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of a CUDA device, or ``stand_in`` for any other device (as ``num_sms``)."""
+    if device.type != "cuda":
+        return stand_in
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device, stand_in: int) -> int:
     """Streaming multiprocessors of a CUDA device, or ``stand_in`` for any other device (the Triton interpreter on
     CPU has none): each launch heuristic says what its CPU runs should behave like."""

@@ -1,34 +1,27 @@
-"""One launch of the Gluon W4A16 kernel (``research/w4a16_wgmma.py``) per case, and of the bf16 matmul of the same
-shape, between cudaProfilerStart/Stop, for Nsight Compute: where its K steps wait. ``bash research/gpu_ncu_wgmma.sh``
+"""One launch of the Gluon W4A16 kernel (``W4A16Algo.WGMMA``, ``kernels/w4a16/wgmma_kernels.py``) per case, and of
+the bf16 matmul of the same shape, between cudaProfilerStart/Stop, for Nsight Compute: where its K steps wait. ``bash research/gpu_ncu_wgmma.sh``
 runs it under ``ncu`` on the GPU machine and writes the report's details and per-instruction source pages.
 
 Cases: the gate|up shape (4096x28672) at M = 64 and 256, and the down shape (14336x4096) at M = 64, each with the
-config that won there in the H100 sweep of 2026-12-06 (``benchmarks/results/w4a16_wgmma_h100_2026-12-06_tma_fast.json``).
+config ``default_config`` picks.
 """
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from w4a16_wgmma import wgmma_matmul  # noqa: E402
+from paged_transformers.kernels.w4a16 import default_config, w4a16_matmul
 
 dev = torch.device("cuda")
 torch.manual_seed(0)
-CASES = [  # (K, N, M, (block_m, block_n, block_k, stages, num_warps, fast, split_k))
-    (4096, 28672, 64, (64, 128, 128, 3, 4, False, 1)),
-    (4096, 28672, 256, (128, 128, 64, 3, 4, True, 1)),
-    (14336, 4096, 64, (64, 128, 64, 3, 8, True, 8)),
-]
+CASES = [(4096, 28672, 64), (4096, 28672, 256), (14336, 4096, 64)]  # (K, N, M)
 calls = []
-for K, N, M, cfg in CASES:
+for K, N, M in CASES:
     G = K // 128
     qw = torch.randint(-(2**31), 2**31, (K // 8, N), dtype=torch.int32, device=dev)
     sc = ((0.5 + torch.rand(G, N, device=dev)) * 0.005).half()
     z = torch.randint(0, 16, (G, N), device=dev).to(torch.int16)
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     w = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
-    calls.append((f"wgmma K={K} N={N} M={M} {cfg}", lambda x=x, qw=qw, sc=sc, z=z, c=cfg: wgmma_matmul(x, qw, sc, z, 128, *c)))
+    cfg = default_config(M, N, K, 128, dev)
+    calls.append((f"w4a16 K={K} N={N} M={M} {cfg}", lambda x=x, qw=qw, sc=sc, z=z, c=cfg: w4a16_matmul(x, qw, sc, z, 4, 128, config=c)))
     calls.append((f"bf16 K={K} N={N} M={M}", lambda x=x, w=w: x @ w))
 for _, fn in calls:
     for _ in range(3):

@@ -72,6 +72,23 @@ def models():
     return get
 
 
+@pytest.fixture
+def load_released():
+    """``load_released(name, dtype, device)``: a fixture model loaded for this test; after it, the model's warm engine
+    (``paged_generate``'s) is released, so its KV pool, sized to most of a GPU, is free for the next test's engine."""
+    from paged_transformers import release
+
+    loaded = []
+
+    def get(name, dtype, device):
+        loaded.append(load_model(MODELS / name, dtype=dtype, device=device))
+        return loaded[-1]
+
+    yield get
+    for model in loaded:
+        release(model)
+
+
 # -- helpers --------------------------------------------------------------------------------------
 
 
@@ -86,8 +103,9 @@ def top50_max_diff(model, prompt_ids, top50) -> float:
 
 def teacher_forced_gap(model, prompt_ids, new_tokens) -> float:
     """Max over steps of (row max - logit of the golden token), one forward over prompt + golden tokens."""
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids + new_tokens])).logits[0].float()
+        logits = model(torch.tensor([prompt_ids + new_tokens], device=device)).logits[0].float().cpu()
     rows = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(new_tokens)]
     return float((rows.max(-1).values - rows[torch.arange(len(new_tokens)), torch.tensor(new_tokens)]).max())
 
@@ -242,7 +260,7 @@ def test_tiny_golden_half_precision(name, dtype, models):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gptq-4bit-g32-actorder-asym", "tiny-llama-gptq-8bit-g64", "tiny-qwen2-awq-4bit-g128-gemm"])
-def test_tiny_golden_on_the_kernel(name, monkeypatch):
+def test_tiny_golden_on_the_kernel(name, monkeypatch, load_released):
     """Every ``QuantLinear`` on the Triton W4A16 kernel with its default configs, against the goldens: the prompt's
     rows (M > 1) and then each decode step alone (M = 1: the GEMV). With CUDA: fp16 on the GPU, where ``QuantLinear``
     takes the kernel itself (its custom op, left as it is for the compiled layers). Without: fp32 under the
@@ -261,7 +279,7 @@ def test_tiny_golden_on_the_kernel(name, monkeypatch):
 
     if not cuda:
         monkeypatch.setattr(quant_linear, "w4a16_matmul_ref", kernel)
-    model = load_model(MODELS / name, dtype=dtype, device=device)
+    model = load_released(name, dtype, device)
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.cache_dequantized_on_cpu = False
@@ -272,6 +290,40 @@ def test_tiny_golden_on_the_kernel(name, monkeypatch):
     assert_tokens_match(list(out[0].outputs[0].token_ids), want, margins, tol, "paged_generate on the kernel")
     if not cuda:
         assert calls["M = 1"] > 0 and calls["M > 1"] > 0, calls
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="needs a Hopper (sm_90) GPU: W4A16Algo.WGMMA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["tiny-llama-awq-4bit-g64-gemm", "tiny-qwen2-awq-4bit-g128-gemm",
+                                  "tiny-qwen2-gptq-4bit-perchannel-sym"])
+def test_tiny_goldens_on_wgmma(name, dtype, monkeypatch, load_released):
+    """Every W4A16 matmul on ``W4A16Algo.WGMMA`` whatever its M (the prompts' rows, each decode step, the engine's
+    fused projections and CUDA graphs), fp16 and bf16, against the goldens: the 4-bit fixtures whose groups hold
+    whole K steps of 64 rows (act-order g32 cannot: a K step would span two groups; 8-bit is not WGMMA's)."""
+    import paged_transformers.kernels.w4a16.matmul as matmul
+    from paged_transformers.kernels.w4a16 import W4A16Algo, W4A16Config
+
+    config = W4A16Config(64, 64, 64, 1, 4, 3, W4A16Algo.WGMMA)
+    product, rows = matmul.w4a16_matmul, []
+
+    def on_wgmma(x, qweight, scales, zeros, bits, group_size, bias=None, config=config):
+        rows.append(x.shape[0])
+        return product(x, qweight, scales, zeros, bits, group_size, bias, config)
+
+    monkeypatch.setattr(matmul, "w4a16_matmul", on_wgmma)  # the custom op calls it by this module global
+    model = load_released(name, dtype, "cuda")
+    g, tol = golden(name), TOL[dtype]
+    prompts = [p["input_ids"] for p in g["prompts"]]
+    for i, (ids, top50, want) in enumerate(zip(prompts, g["last_logits_top50"], g["greedy_new_tokens"])):
+        assert top50_max_diff(model, ids, top50) < tol, f"prompt {i}"
+        assert teacher_forced_gap(model, ids, want) < tol, f"prompt {i}"
+    assert min(rows) > 1 and len(rows) > 0  # the forwards went through it
+    rows.clear()
+    outs = paged_generate(model, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for i, (out, want, margins) in enumerate(zip(outs, g["greedy_new_tokens"], g["greedy_step_top2_margin"])):
+        assert_tokens_match(list(out.outputs[0].token_ids), want[:8], margins[:8], tol, f"paged_generate, prompt {i}")
+    assert 1 in rows, rows  # decode steps (graph captures) too
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gptq-4bit-g32-actorder-asym", "tiny-qwen2-awq-4bit-g128-gemm",

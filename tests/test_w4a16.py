@@ -230,9 +230,11 @@ REGIMES = [
 
 @pytest.mark.parametrize("M,N,K,group_size,bits,dtype,device,algo", REGIMES)
 def test_default_config_regimes_match_reference(M, N, K, group_size, bits, dtype, device, algo, monkeypatch):
-    # the config default_config picks for the H200 (132 SMs; device and dtype as given), run under the interpreter
-    # with fp32 x against the reference (the TC kernel there unpacks with bit ops instead of its inline PTX)
+    # the config default_config picks for a GPU of 132 SMs without WGMMA (not Hopper; the Hopper rows:
+    # test_w4a16_wgmma.py), device and dtype as given, run under the interpreter with fp32 x against the reference
+    # (the TC kernel there unpacks with bit ops instead of its inline PTX)
     monkeypatch.setattr(dispatch, "num_sms", lambda device, stand_in: 132)
+    monkeypatch.setattr(dispatch, "cuda_capability", lambda device, stand_in: (8, 0))
     cfg = k.default_config(M, N, K, group_size, device, bits, dtype)
     assert cfg.algo is algo, cfg
     if HAS_CUDA:
@@ -249,10 +251,14 @@ def test_default_config_regimes_match_reference(M, N, K, group_size, bits, dtype
 
 
 def test_default_config_rules_fit_one_row_of_tiles():
-    # default_config counts split-K over one row of output tiles, which holds when every rule's M fits one tile
+    # default_config counts split-K over one row of output tiles (programs_per_sm), which holds when the rule's M
+    # fits one tile; the rules that tile M give their split themselves (programs_per_sm 0)
     for rule in dispatch.RULES:
-        assert rule.max_m <= rule.config.block_m or rule.config.algo == A.DEQUANT_MATMUL, rule
-        assert rule.config.split_k == 1, rule  # the split comes from programs_per_sm
+        if rule.programs_per_sm:
+            assert rule.max_m <= rule.config.block_m, rule
+            assert rule.config.split_k == 1, rule  # the split comes from programs_per_sm
+        else:
+            assert rule.config.split_k & (rule.config.split_k - 1) == 0, rule  # a power of two (gcd with K steps)
 
 
 def test_custom_op_is_one_node_under_torch_compile():
@@ -270,14 +276,16 @@ def test_custom_op_is_one_node_under_torch_compile():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (real-size check)")
-@pytest.mark.parametrize("M,K,N,algo", [(1, 4096, 4096, A.GEMV), (1, 4096, 6144, A.GEMV), (4, 4096, 4096, A.TC),
-                                         (16, 4096, 4096, A.TC), (256, 4096, 4096, A.DEQUANT_MATMUL),
-                                         (64, 4096, 14336, A.TC),
-                                         (33, 4096, 14336, A.TC), (64, 14336, 4096, A.TC),
-                                         (40, 14336, 4096, A.TC), (64, 4096, 4096, A.DEQUANT_MATMUL)])
-def test_kernel_real_size_cuda(M, K, N, algo):
-    # the default config of each rule (algo: the one default_config must pick on CUDA for this shape)
-    assert k.default_config(M, N, K, 128, DEVICE).algo is algo
+@pytest.mark.parametrize("M,K,N,algo,hopper_algo", [
+    (1, 4096, 4096, A.GEMV, A.GEMV), (1, 4096, 6144, A.GEMV, A.GEMV), (4, 4096, 4096, A.TC, A.TC),
+    (16, 4096, 4096, A.TC, A.TC), (256, 4096, 4096, A.DEQUANT_MATMUL, A.WGMMA), (64, 4096, 14336, A.TC, A.WGMMA),
+    (33, 4096, 14336, A.TC, A.WGMMA), (64, 14336, 4096, A.TC, A.WGMMA), (40, 14336, 4096, A.TC, A.WGMMA),
+    (64, 4096, 4096, A.DEQUANT_MATMUL, A.WGMMA), (300, 4096, 4096, A.DEQUANT_MATMUL, A.DEQUANT_MATMUL)])
+def test_kernel_real_size_cuda(M, K, N, algo, hopper_algo):
+    # the default config of each rule (algo: the one default_config must pick on CUDA for this shape; on Hopper
+    # with Gluon, hopper_algo)
+    hopper = torch.cuda.get_device_capability()[0] == 9 and dispatch.has_gluon()
+    assert k.default_config(M, N, K, 128, DEVICE).algo is (hopper_algo if hopper else algo)
     _, qweight, scales, zeros = random_layer(K, N, 4, 128)
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)
@@ -373,9 +381,10 @@ def test_tc_cuda(dtype):
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
-    if cfg is None:
+    if cfg is None:  # on Hopper with Gluon the WGMMA rule comes first
         picked = k.default_config(M, N, K, group_size, DEVICE, dtype=dtype)
-        assert (picked.algo, picked.block_m) == (A.TC, 64), picked
+        hopper = torch.cuda.get_device_capability()[0] == 9 and dispatch.has_gluon()
+        assert (picked.algo, picked.block_m) == (A.WGMMA if hopper else A.TC, 64), picked
     _, qweight, scales, zeros = random_layer(K, N, 4, group_size)
     x = torch.randn(M, K, device=DEVICE, dtype=dtype)
     bias = torch.randn(N, device=DEVICE, dtype=dtype)

@@ -2,13 +2,17 @@
 
 import dataclasses
 import enum
+import functools
+import importlib.util
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .._launch import num_sms
+from .._launch import cuda_capability, num_sms
 
 TUNED_NUM_SMS = 132  # the H200 the rules were tuned on: off CUDA, default_config picks the split-K it gets
+TUNED_CAPABILITY = (9, 0)  # and its compute capability (Hopper: WGMMA applies)
 
 
 class W4A16Algo(enum.Enum):
@@ -19,6 +23,9 @@ class W4A16Algo(enum.Enum):
       operand (``DOT``) or, transposed, as the left one (``DOT_SWAP``: ``BLOCK_M`` is then the MMA's small N);
     * ``TC``: swap AB with the whole ``[BLOCK_N, BLOCK_K]`` tile dequantized to exact integers ``q - z`` and one
       ``tl.dot`` per K step (``tc_kernel``; 4-bit, each K step in one group);
+    * ``WGMMA``: Hopper only (sm_90), 4 bits, fp16/bf16 x; a Gluon kernel (``wgmma_kernels``) that tiles M and N,
+      copies its inputs with TMA ``num_stages`` deep and dequantizes each K step's weight tile into shared memory
+      while the tensor cores run the previous step's wgmma; ``num_warps`` 4 or 8;
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer, then
       ``torch.matmul`` (cuBLAS), as exllama does for large batches.
     """
@@ -27,6 +34,7 @@ class W4A16Algo(enum.Enum):
     DOT = "dot"
     DOT_SWAP = "dot_swap"
     TC = "tc"
+    WGMMA = "wgmma"
     DEQUANT_MATMUL = "dequant_matmul"
 
 
@@ -87,9 +95,10 @@ ANY_SHAPE = (SQUARE, WIDE, TALL)
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """One row of ``RULES``: for ``min_m <= M <= max_m`` and a weight of one of ``shapes``, launch ``config`` (its
-    ``split_k`` replaced by ``split_k_for`` at ``programs_per_sm``, or left at 1 when that is 0). ``max_m <=
-    config.block_m`` in every row: one row of output tiles."""
+    """One row of ``RULES``: for ``min_m <= M <= max_m`` and a weight of one of ``shapes``, launch ``config``: its
+    ``split_k`` replaced by ``split_k_for`` at ``programs_per_sm`` (which counts one row of output tiles: ``max_m <=
+    config.block_m`` in those rows), or, when that is 0, kept as the rule gives it (the sweep's, for 132 SMs) but
+    lowered to the largest power of two dividing the K steps (equal K slices)."""
 
     min_m: int
     max_m: int
@@ -98,8 +107,9 @@ class Rule:
     programs_per_sm: int
 
 
-def _tile(algo: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> W4A16Config:
-    return W4A16Config(block_m, block_n, block_k, 1, num_warps, num_stages, W4A16Algo(algo))
+def _tile(algo: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+          split_k: int = 1) -> W4A16Config:
+    return W4A16Config(block_m, block_n, block_k, split_k, num_warps, num_stages, W4A16Algo(algo))
 
 
 # The first row that matches and whose kernel applies (``_applies``) wins. H200 device time per call, bf16 x, group
@@ -109,6 +119,28 @@ RULES = (
     Rule(1, 1, ANY_SHAPE, _tile("gemv", 1, 512, 64, 2, 1), 8),
     # 4096 x 4096 at M = 16: 9.6 us vs bf16 13.2 (1.38x); DOT_SWAP took 16.9 there (round 3)
     Rule(1, 16, ANY_SHAPE, _tile("tc", 16, 64, 128, 4, 3), 4),
+    # WGMMA rows: H100 device time, bf16 x, group 128, on the engine's fused shapes, next to bf16 torch.matmul and the
+    # rows below them (BENCHMARKS.md, issue 23, 2026-12-06, the sweep of `research/w4a16_wgmma.py`)
+    # 4096 x 28672 (gate|up) at M = 32 / 64: 50.0 / 52.6 us vs bf16 80.6 / 79.4, TC 95.4 / 77.2
+    Rule(17, 64, (WIDE,), _tile("wgmma", 64, 128, 64, 4, 4), 0),
+    # at M = 128 / 192 / 256: 70.6 / 134.5 / 144.1 us vs bf16 84.3 / 91.4 / 98.8, DEQUANT_MATMUL 197.2 / 205.6 / 214.9
+    Rule(65, 256, (WIDE,), _tile("wgmma", 128, 128, 64, 4, 3), 0),
+    # 14336 x 4096 (down) at M = 32 / 64: 29.3 / 33.8 us vs bf16 43.6 / 45.0, TC 47.8 / 47.5
+    Rule(17, 64, (TALL,), _tile("wgmma", 64, 128, 64, 4, 4, split_k=8), 0),
+    # at M = 128: 46.8 us vs bf16 51.5, DEQUANT_MATMUL 107.1
+    Rule(65, 128, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=4), 0),
+    # at M = 192 / 256: 73.3 / 79.7 us vs bf16 76.6 / 58.4, DEQUANT_MATMUL 125.7 / 110.3
+    Rule(129, 256, (TALL,), _tile("wgmma", 128, 128, 64, 4, 3, split_k=4), 0),
+    # 4096 x 4096 (o) / 4096 x 6144 (q|k|v) at M = 32: 14.4 / 18.4 us vs bf16 14.2 / 20.9, DEQUANT_MATMUL 22.6 / 40.1
+    Rule(17, 32, (SQUARE,), _tile("wgmma", 64, 128, 64, 8, 3, split_k=8), 0),
+    # at M = 64: 17.0 / 21.2 us vs bf16 14.3 / 21.0, DEQUANT_MATMUL 23.1 / 40.7
+    Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=4), 0),
+    # at M = 128: 27.8 / 28.7 us vs bf16 14.9 / 20.5, DEQUANT_MATMUL 27.4 / 44.7
+    Rule(65, 128, (SQUARE,), _tile("wgmma", 64, 128, 128, 4, 3), 0),
+    # at M = 192: 32.0 / 42.5 us, M = 256: 33.2 / 43.1 vs bf16 16.4 / 28.3, 19.2 / 24.5, DEQUANT_MATMUL 29.6 / 50.2,
+    # 31.2 / 48.6 (the square layer alone is faster on DEQUANT_MATMUL; the pair of them is not)
+    Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
+    # without WGMMA (not Hopper, or its tiles do not fit): the rows below
     # 4096 x 14336 at M = 64: 39.8 us vs DEQUANT_MATMUL's 73.5 (docs/benchmark-history.md, round 7)
     Rule(17, 64, (WIDE,), _tile("tc", 64, 128, 128, 8, 3), 0),
     # 14336 x 4096 at M = 64: 48.5 us vs DEQUANT_MATMUL's 77.6; without split-K 136.0 (round 7)
@@ -123,14 +155,55 @@ RULES = (
 )
 
 
-def _applies(config: W4A16Config, K: int, group_size: int, device: torch.device, bits: int, dtype: torch.dtype) -> bool:
+@functools.lru_cache(maxsize=None)
+def has_gluon() -> bool:
+    """Whether this Triton has the Gluon API ``WGMMA`` is written against (``triton.experimental.gluon``; Triton >= 3.6:
+    tested on 3.6 and 3.9)."""
+    try:
+        if importlib.util.find_spec("triton.experimental.gluon") is None:
+            return False
+    except ImportError:  # no triton at all
+        return False
+    import triton
+
+    return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6)
+
+
+def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: torch.device, bits: int,
+               dtype: torch.dtype) -> str | None:
+    """Why ``W4A16Algo.WGMMA`` with ``config`` cannot run this layer (a sentence), or ``None`` when it can: a
+    Hopper GPU (sm_90: wgmma) and Gluon; 4 bits and fp16/bf16 x; tiles of 64 or 128 K rows, 64-256 columns and a
+    multiple of 64 rows on 4 or 8 warps, at least 2 stages; every K step in one group and the K slices whole
+    (``K % (block_k * split_k) == 0``); ``N % 8 == 0`` (TMA: 16-byte row strides of the scales and zero points)."""
+    if device.type != "cuda" or cuda_capability(device, TUNED_CAPABILITY)[0] != 9:
+        return f"WGMMA needs a Hopper (sm_90) GPU, got {device}"
+    if not has_gluon():
+        return "WGMMA needs Gluon (triton >= 3.6)"
+    if bits != 4 or dtype not in (torch.float16, torch.bfloat16):
+        return f"WGMMA takes 4-bit weights and fp16/bf16 x, got bits={bits}, {dtype}"
+    if (config.block_k not in (64, 128) or not 64 <= config.block_n <= 256 or config.block_m % 64
+            or config.num_warps not in (4, 8) or config.num_stages < 2):
+        return ("WGMMA needs block_k 64 or 128, block_n 64-256, block_m a multiple of 64, 4 or 8 warps and "
+                "num_stages >= 2")
+    if group_size % config.block_k and group_size != K:
+        return f"WGMMA needs group_size ({group_size}) a multiple of block_k or K ({K})"
+    if K % (config.block_k * config.split_k) or N % 8:
+        return f"WGMMA needs K ({K}) a multiple of block_k * split_k and N ({N}) a multiple of 8"
+    return None
+
+
+def _applies(config: W4A16Config, N: int, K: int, group_size: int, device: torch.device, bits: int,
+             dtype: torch.dtype, tma_aligned: bool) -> bool:
     """Whether ``config``'s kernel can run this layer: the GEMV needs groups of whole int32 words (for 4 and 8 bits);
-    TC is inline PTX on CUDA for 4 bits and fp16/bf16 x, with every K step inside one group."""
+    TC is inline PTX on CUDA for 4 bits and fp16/bf16 x, with every K step inside one group; WGMMA as ``wgmma_fits``
+    says, with TMA-aligned weight tensors."""
     if config.algo == W4A16Algo.GEMV:
         return group_size % 8 == 0
     if config.algo == W4A16Algo.TC:
         return (device.type == "cuda" and bits == 4 and dtype in (torch.float16, torch.bfloat16)
                 and (group_size % config.block_k == 0 or group_size == K))
+    if config.algo == W4A16Algo.WGMMA:
+        return tma_aligned and wgmma_fits(config, N, K, group_size, device, bits, dtype) is None
     return True
 
 
@@ -141,25 +214,39 @@ def weight_shape(N: int, K: int) -> str:
 
 
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device, bits: int = 4,
-                   dtype: torch.dtype = torch.bfloat16) -> W4A16Config:
+                   dtype: torch.dtype = torch.bfloat16, tma_aligned: bool = True) -> W4A16Config:
     """The launch configuration used when none is given: the first row of ``RULES`` for ``M`` and the weight's shape
     (``weight_shape``) whose kernel applies, with its split-K from ``split_k_for`` (the device's SM count).
 
-    Each row is the fastest configuration of the H200 sweeps for its regime (docs/benchmark-history.md, issue 7): the
-    GEMV at M = 1, the tensor-core kernel up to 16 rows and for wide or tall weights up to 64, dequantize + cuBLAS
-    above. Batch-1 decode of a GPTQ 4-bit Llama-3-8B shape takes 2.60 ms per token with them, bf16 4.44 (1.71x).
+    Each row is the fastest configuration of the sweeps for its regime (docs/benchmark-history.md, issue 7, on the
+    H200; BENCHMARKS.md, issue 23, on the H100): the GEMV at M = 1, the tensor-core kernel up to 16 rows, on Hopper
+    the WGMMA kernel for 17-256 rows; elsewhere the tensor-core kernel for wide or tall weights up to 64 rows;
+    dequantize + cuBLAS above (prefill chunks). Batch-1 decode of a GPTQ 4-bit Llama-3-8B shape takes 2.60 ms per
+    token with them, bf16 4.44 (1.71x).
 
-    Args: the GEMM sizes (``x [M, K] @ W [K, N]``), the group size, the device, the weight's bits and x's dtype.
+    Args: the GEMM sizes (``x [M, K] @ W [K, N]``), the group size, the device, the weight's bits and x's dtype;
+        ``tma_aligned``: whether qweight, scales and zeros have 16-byte aligned base addresses (False leaves out
+        WGMMA, whose TMA copies need them).
     Returns: a ``W4A16Config``.
     Raises: ValueError: ``M < 1`` (``w4a16_matmul`` launches nothing for an empty batch).
     """
     if M < 1:
         raise ValueError(f"default_config needs M >= 1, got {M}")
     shape = weight_shape(N, K)
-    rule = next(r for r in RULES if r.min_m <= M <= r.max_m and shape in r.shapes
-                and _applies(r.config, K, group_size, device, bits, dtype))
+    for rule in RULES:
+        if rule.min_m <= M <= rule.max_m and shape in rule.shapes:
+            cfg = _with_split(rule, N, K, device)
+            if _applies(cfg, N, K, group_size, device, bits, dtype, tma_aligned):
+                return cfg
+    raise AssertionError(f"no rule of RULES for M={M}, {shape}: the last rule must take every M and shape")
+
+
+def _with_split(rule: Rule, N: int, K: int, device: torch.device) -> W4A16Config:
+    """``rule.config`` with the split-K ``Rule`` describes."""
     cfg = rule.config
-    if not rule.programs_per_sm:
-        return cfg
-    split = split_k_for(-(-N // cfg.block_n), -(-K // cfg.block_k), num_sms(device, TUNED_NUM_SMS), rule.programs_per_sm)
-    return dataclasses.replace(cfg, split_k=split)
+    k_iters = -(-K // cfg.block_k)
+    if rule.programs_per_sm:
+        split = split_k_for(-(-N // cfg.block_n), k_iters, num_sms(device, TUNED_NUM_SMS), rule.programs_per_sm)
+    else:
+        split = math.gcd(cfg.split_k, k_iters)  # the rules' splits are powers of two
+    return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)

@@ -7,7 +7,7 @@ import os
 import torch
 
 from .._launch import cdiv, load_triton_kernels
-from .dispatch import W4A16Algo, W4A16Config, default_config
+from .dispatch import W4A16Algo, W4A16Config, default_config, wgmma_fits
 
 
 class _SplitKWorkspace:
@@ -77,12 +77,19 @@ def _check_layer(x, qweight, scales, zeros, bits, group_size, bias) -> None:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
 
 
-def _check_config(cfg: W4A16Config, x: torch.Tensor, bits: int, group_size: int) -> None:
+def _check_config(cfg: W4A16Config, x: torch.Tensor, N: int, bits: int, group_size: int, tma_aligned: bool) -> None:
     """Raise ``ValueError`` if ``cfg``'s kernel cannot run this call (its tile and the layer's shape)."""
     M, K = x.shape
     pack = 32 // bits
     if cfg.block_k % pack:
         raise ValueError(f"config.block_k={cfg.block_k} must be a multiple of {pack}")
+    if cfg.algo == W4A16Algo.WGMMA:
+        why = wgmma_fits(cfg, N, K, group_size, x.device, bits, x.dtype)
+        if why is None and not tma_aligned:
+            why = "WGMMA's TMA copies need qweight, scales and zeros at 16-byte aligned addresses"
+        if why is not None:
+            raise ValueError(f"config {cfg}: {why}")
+        return
     if cfg.algo == W4A16Algo.GEMV and cfg.block_m != 1:
         raise ValueError(f"config {cfg}: the GEMV needs block_m == 1")
     if cfg.algo == W4A16Algo.GEMV and (M != 1 or group_size % pack):
@@ -135,13 +142,17 @@ def w4a16_matmul(
     N = qweight.shape[1]
     if M == 0 or N == 0:  # nothing to compute (torch.matmul's empty result; no kernel takes an empty grid)
         return x.new_empty((M, N))
-    cfg = config or default_config(M, N, K, group_size, x.device, bits, x.dtype)
-    _check_config(cfg, x, bits, group_size)
+    tma_aligned = all(t.data_ptr() % 16 == 0 for t in (qweight, scales, zeros))
+    cfg = config or default_config(M, N, K, group_size, x.device, bits, x.dtype, tma_aligned)
+    _check_config(cfg, x, N, bits, group_size, tma_aligned)
     if cfg.algo == W4A16Algo.DEQUANT_MATMUL:
         return _dequant_matmul(x, qweight, scales, zeros, bits, group_size, bias, cfg)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     ws, locks = _WORKSPACE.get(x.device, M * N, num_tiles) if cfg.split_k > 1 else (out, out)  # unused without split-K
+    if cfg.algo == W4A16Algo.WGMMA:
+        _wgmma(x, qweight, scales, zeros, group_size, bias, out, ws, locks, cfg, num_tiles)
+        return out
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x, qweight, scales, zeros, bias if bias is not None else out, out, ws, locks)
@@ -159,6 +170,22 @@ def w4a16_matmul(
             *args, M, N, K, x.stride(0), out.stride(0), BITS=bits, GROUP_SIZE=group_size, BLOCK_M=cfg.block_m,
             SWAP=cfg.algo == W4A16Algo.DOT_SWAP, **common)
     return out
+
+
+def _wgmma(x, qweight, scales, zeros, group_size, bias, out, ws, locks, cfg: W4A16Config, num_tiles: int) -> None:
+    """``W4A16Algo.WGMMA`` into ``out`` (arguments and config already checked). x goes through a TMA descriptor, which
+    needs a 16-byte aligned base and row stride: a view that has neither is copied first."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    mod = _kernels("wgmma_kernels", x.device)
+    descs = mod.descriptors(x, qweight, scales, zeros, cfg.block_m, cfg.block_n, cfg.block_k)
+    mod._w4a16_wgmma_kernel[(num_tiles, cfg.split_k)](  # one program per (output tile, K slice), tiles N-major
+        *descs, bias if bias is not None else out, out, ws, locks, M, N, K, out.stride(0), HAS_BIAS=bias is not None,
+        GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
+        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+    )  # fmt: skip
 
 
 def _dequant_matmul(x, qweight, scales, zeros, bits, group_size, bias, cfg: W4A16Config) -> torch.Tensor:

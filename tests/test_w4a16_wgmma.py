@@ -1,0 +1,257 @@
+"""``W4A16Algo.WGMMA``: its Gluon kernel compiled for sm_90 on any machine (Gluon has no interpreter, so this is what
+the CPU suite can check), its dispatch, and on a Hopper GPU its results against ``w4a16_matmul_ref``.
+
+The compile checks: every default config (``dispatch.RULES``), bf16 and fp16 x, with and without split-K and bias,
+compiles (the kernel's static asserts include zero bank conflicts on the weight tile's stores), spills nothing, and
+keeps one wgmma group in flight across K steps (ptxas did not serialize them: no C7515 note, and the loop waits with
+``DEPBAR.LE gsb0, 0x1``). They fail on a layout with bank conflicts or an accumulator ptxas serializes.
+"""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from paged_transformers.kernels import w4a16 as k  # noqa: E402
+from paged_transformers.kernels.w4a16 import dispatch  # noqa: E402
+
+A = k.W4A16Algo
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+WGMMA_CONFIGS = sorted({r.config for r in dispatch.RULES if r.config.algo is A.WGMMA}, key=str)
+
+
+def compile_sm90(cfg: k.W4A16Config, dtype: str, scales_dtype: str = "fp16", bias: bool = False):
+    """The kernel compiled for sm_90 (K = N = 4096, group 128) without a GPU: ``(ptxas -v's stderr, the SASS)``."""
+    if not dispatch.has_gluon():
+        pytest.skip("needs triton >= 3.6 (Gluon), which WGMMA is written against")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from paged_transformers.kernels.w4a16 import wgmma_kernels as wk
+
+    torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    K = N = 4096
+    x = torch.zeros(256, K, dtype=torch_dt[dtype])
+    q = torch.zeros(K // 8, N, dtype=torch.int32)
+    s = torch.zeros(K // 128, N, dtype=torch_dt[scales_dtype])
+    z = torch.zeros(K // 128, N, dtype=torch.int16)
+    descs = wk.descriptors(x, q, s, z, cfg.block_m, cfg.block_n, cfg.block_k)
+    sig = {name: mangle_type(d) for name, d in zip(("x_desc", "p_desc", "s_desc", "z_desc"), descs)}
+    sig.update({"bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32",
+                "N": "i32", "K": "i32", "stride_om": "i32"})
+    consts = dict(HAS_BIAS=bias, GROUP_SIZE=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  STAGES=cfg.num_stages, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
+    sig.update({name: "constexpr" for name in consts})
+    names = list(sig)
+    src = GluonASTSource(wk._w4a16_wgmma_kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]]
+                                for n in ("bias_ptr", "out_ptr", "ws_ptr", "lock_ptr", "N", "K", "stride_om")})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    ptxas = get_ptxas(90).path  # the ptxas triton itself uses
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True, check=True).stderr
+        with open(os.path.join(d, "k.cubin"), "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "nvdisasm"), "-c", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, check=True).stdout
+    return log, sass
+
+
+CASES = [(cfg, "bf16", "fp16", False) for cfg in WGMMA_CONFIGS] + [
+    (WGMMA_CONFIGS[0], "fp16", "fp16", True),  # fp16 x, one mul.f16x2 per pair
+    (WGMMA_CONFIGS[0], "fp16", "bf16", False),  # fp16 x, a scale not exact in fp16: products in fp32
+    (dataclasses.replace(WGMMA_CONFIGS[0], split_k=1), "bf16", "fp16", True),
+    (dataclasses.replace(WGMMA_CONFIGS[-1], split_k=2), "bf16", "fp32", True),
+]
+
+
+@pytest.mark.parametrize("cfg,dtype,scales_dtype,bias", CASES, ids=[f"{c} {d} s={s} bias={b}" for c, d, s, b in CASES])
+def test_compiles_pipelined_for_sm90(cfg, dtype, scales_dtype, bias):
+    log, sass = compile_sm90(cfg, dtype, scales_dtype, bias)
+    assert "Performance Loss" not in log, log  # e.g. C7515: wgmma serialized
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
+    waits = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
+    assert "0x1" in waits, waits  # the K loop waits for the wgmma before last, not the last one
+    assert sass.count("HGMMA") >= 2 * (cfg.block_k // 16)  # step 0 and the loop body each issue BLOCK_K / 16
+    assert ("ATOMG" in sass or "RED" in sass) == (cfg.split_k > 1)  # the split-K epilogue only with split-K
+
+
+def test_compile_catches_a_bank_conflicted_layout(tmp_path):
+    # the check can fail: with the packed words 4 columns per thread (lanes 4 rows apart) the weight tile's stores
+    # conflict, and the kernel's static assert must refuse to compile it (in a fresh process and compile cache: the
+    # kernel's cache key does not see a patched layout function)
+    script = tmp_path / "conflicted.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_w4a16_wgmma as t
+from paged_transformers.kernels.w4a16 import wgmma_kernels as wk
+from triton.experimental.gluon import language as gl
+
+
+def conflicted(BLOCK_N, TK, num_warps):
+    return gl.BlockedLayout([4, 1], [8, 4], [num_warps, 1], [0, 1])
+
+
+wk._p_layout = wk.gluon.constexpr_function(conflicted)
+t.compile_sm90(t.WGMMA_CONFIGS[0], "bf16")
+""")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                       env=os.environ | {"TRITON_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode != 0 and "bank_conflicts(w.type" in r.stderr, r.stderr[-3000:]
+
+
+def _hopper(monkeypatch, capability=(9, 0)):
+    # default_config for a CUDA device on any machine: a Hopper with the tuned SM count
+    monkeypatch.setattr(dispatch, "cuda_capability", lambda device, stand_in: capability)
+    monkeypatch.setattr(dispatch, "num_sms", lambda device, stand_in: 132)
+    monkeypatch.setattr(dispatch, "has_gluon", lambda: True)
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("M,N,K,group,split", [
+    (17, 6144, 4096, 128, 8), (64, 4096, 4096, 128, 4), (128, 6144, 4096, 128, 1), (256, 4096, 4096, 128, 1),
+    (17, 28672, 4096, 128, 1), (256, 28672, 4096, 128, 1), (40, 4096, 14336, 128, 8), (200, 4096, 14336, 128, 4),
+    (64, 64, 128, 64, 2),  # K of 2 steps: the split lowered to 2
+    (64, 384, 192, 192, 1),  # per-channel, 3 steps: no split
+])
+def test_default_config_picks_wgmma_on_hopper(M, N, K, group, split, monkeypatch):
+    _hopper(monkeypatch)
+    cfg = k.default_config(M, N, K, group, CUDA, 4, torch.bfloat16)
+    assert cfg.algo is A.WGMMA and cfg.split_k == split, cfg
+    assert K % (cfg.block_k * cfg.split_k) == 0
+
+
+@pytest.mark.parametrize("why,args", [
+    ("not Hopper", dict(capability=(8, 0))), ("Blackwell", dict(capability=(10, 0))), ("8 bits", dict(bits=8)),
+    ("groups of 32", dict(group=32)), ("N % 8", dict(N=4100)), ("unaligned weights", dict(tma_aligned=False)),
+    ("M = 16", dict(M=16)), ("prefill-sized M", dict(M=257)), ("CPU", dict(device=torch.device("cpu"))),
+])
+def test_default_config_leaves_wgmma_out_where_it_cannot_run(why, args, monkeypatch):
+    _hopper(monkeypatch, args.pop("capability", (9, 0)))
+    kw = dict(M=128, N=4096, K=14336, group=128, device=CUDA, bits=4, tma_aligned=True) | args
+    cfg = k.default_config(kw["M"], kw["N"], kw["K"], kw["group"], kw["device"], kw["bits"], torch.bfloat16,
+                           kw["tma_aligned"])
+    assert cfg.algo is not A.WGMMA, (why, cfg)
+
+
+def test_default_config_without_gluon_falls_back(monkeypatch):
+    _hopper(monkeypatch)
+    monkeypatch.setattr(dispatch, "has_gluon", lambda: False)
+    assert k.default_config(40, 28672, 4096, 128, CUDA, 4, torch.bfloat16).algo is A.TC
+
+
+def test_wgmma_config_refused_with_the_reason():
+    # an explicit WGMMA config off Hopper (here the CPU) is refused at the boundary, naming why
+    x = torch.randn(64, 256)
+    qweight, scales, zeros = torch.zeros(32, 64, dtype=torch.int32), torch.ones(2, 64).half(), torch.zeros(2, 64, dtype=torch.int16)
+    cfg = k.W4A16Config(64, 64, 64, algo=A.WGMMA)
+    with pytest.raises(ValueError, match="Hopper"):
+        k.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# on a Hopper GPU: against the reference
+
+def _layer(K, N, group, scales_dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    G = K // group
+    q = torch.randint(0, 16, (K, N), generator=g, dtype=torch.int32)
+    scales = ((0.5 + torch.rand(G, N, generator=g)) * 0.01).to(scales_dtype)
+    zeros = torch.randint(0, 17, (G, N), generator=g).to(torch.int16)
+    return k.pack_rows(q, 4).to(CUDA), scales.to(CUDA), zeros.to(CUDA)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+needs_hopper = pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper (sm_90) GPU")
+
+
+@needs_hopper
+@pytest.mark.parametrize("cfg", WGMMA_CONFIGS, ids=str)
+@pytest.mark.parametrize("M", [1, 70, 256])
+def test_every_default_config_matches_reference(cfg, M):
+    qweight, scales, zeros = _layer(4096, 1024, 128)
+    x = torch.randn(M, 4096, device=CUDA, dtype=torch.bfloat16)
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
+    ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)
+    assert _rel(out, ref) < 4e-3  # bf16 rounding of the weight and the output
+    assert _rel(k.w4a16_matmul_ref(x.float(), qweight, scales, zeros + 1, 4, 128), ref) > 1e-2  # it can fail
+
+
+# (M, N, K, group, x dtype, scales dtype, bias, config): N past the tile (masked columns), per-channel groups, fp16 x
+# with fp16 / bf16 scales, bias with and without split-K, two M tiles, 8 warps
+EDGE = [
+    (70, 200, 256, 128, torch.bfloat16, torch.float16, True, k.W4A16Config(64, 128, 64, 2, 4, 3, A.WGMMA)),
+    (70, 200, 256, 256, torch.bfloat16, torch.float16, False, k.W4A16Config(128, 64, 128, 1, 4, 2, A.WGMMA)),
+    (33, 512, 512, 128, torch.float16, torch.float16, True, k.W4A16Config(64, 128, 64, 1, 8, 3, A.WGMMA)),
+    (33, 512, 512, 64, torch.float16, torch.bfloat16, False, k.W4A16Config(64, 64, 64, 4, 4, 4, A.WGMMA)),
+    (150, 256, 1024, 128, torch.bfloat16, torch.bfloat16, True, k.W4A16Config(128, 128, 64, 8, 4, 3, A.WGMMA)),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("M,N,K,group,dtype,scales_dtype,bias,cfg", EDGE)
+def test_edges_match_reference(M, N, K, group, dtype, scales_dtype, bias, cfg):
+    qweight, scales, zeros = _layer(K, N, group, scales_dtype, seed=M)
+    x = torch.randn(M, K, device=CUDA, dtype=dtype)
+    b = torch.randn(N, device=CUDA, dtype=dtype) if bias else None
+    ref = k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, group, bias=b.float() if bias else None)
+    for _ in range(2):  # twice: split-K must leave its workspace and counters zeroed
+        out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group, bias=b, config=cfg)
+        assert out.dtype == dtype
+        assert _rel(out, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+@needs_hopper
+def test_unaligned_x_view_is_copied():
+    qweight, scales, zeros = _layer(256, 128, 128)
+    base = torch.randn(64 * 256 + 1, device=CUDA, dtype=torch.bfloat16)
+    x = base[1:].view(64, 256)  # a 2-byte offset: not 16-byte aligned
+    cfg = k.W4A16Config(64, 128, 64, 1, 4, 3, A.WGMMA)
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
+    assert _rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)) < 4e-3
+
+
+@needs_hopper
+def test_unaligned_weights_refused_or_avoided():
+    qweight, scales, zeros = _layer(256, 136, 128)
+    s = torch.empty(scales.numel() + 1, device=CUDA, dtype=scales.dtype)[1:].view_as(scales)  # 2 bytes off
+    s.copy_(scales)
+    x = torch.randn(64, 256, device=CUDA, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="16-byte"):
+        k.w4a16_matmul(x, qweight, s, zeros, 4, 128, config=k.W4A16Config(64, 64, 64, 1, 4, 3, A.WGMMA))
+    out = k.w4a16_matmul(x, qweight, s, zeros, 4, 128)  # the default picks another kernel
+    assert _rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)) < 4e-3
+
+
+@needs_hopper
+def test_cuda_graph_replay_matches():
+    qweight, scales, zeros = _layer(4096, 1024, 128)
+    x = torch.randn(100, 4096, device=CUDA, dtype=torch.bfloat16)
+    cfg = k.default_config(100, 1024, 4096, 128, CUDA)
+    assert cfg.algo is A.WGMMA
+    k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert _rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)) < 4e-3
