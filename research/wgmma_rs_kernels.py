@@ -1,0 +1,214 @@
+"""Issue 23: a swap-AB W4A16 wgmma kernel with the dequantized weight as the register operand (Machete's scheme).
+
+``out^T [N, M] = W^T [N, K] @ x^T [K, M]``: the weight tile is wgmma's A operand, dequantized straight into the
+registers wgmma reads (no shared-memory store, fence or barrier per K step), x is the B operand in shared memory
+(TMA, ``STAGES`` deep). Each warp owns 16 weight rows; a thread holds, per row and 16-K block, the values
+``k = 2c, 2c + 1, 2c + 8, 2c + 9`` (``c`` = lane % 4). In the package's layout (int32 word ``w`` of a column holds
+``k = 8w .. 8w + 7``), those are byte ``c`` of every word of the row: each thread loads its rows' words (the 4
+threads of a quad read the same word, a broadcast) and turns byte ``c`` into 2 values with one LOP3 pair. So no
+repack of ``qweight`` is needed, and the layout the values come out in is the wgmma A layout
+(``convert_layout(..., assert_trivial=True)`` checks it at compile time).
+
+Same arguments as ``kernels/w4a16/wgmma_kernels._w4a16_wgmma_kernel`` (the product's TMA descriptors work as is).
+"""
+
+import math
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+def _pair_asm(magic_bits: int, out: str, fp32_scale: bool) -> str:
+    """PTX: word ``$2``, prmt selector ``$3`` (``c | (4 + c) << 8``), ``$4`` = ``B + z`` in both halves, ``$5`` the
+    fp32 scale -> ``$0, $1`` = fields ``2c, 2c + 1`` of the word as ``(q - z) * s`` in ``out``, rounded once."""
+    pair = magic_bits * 0x10001
+    lines = ["{", ".reg .b32 sh, t, lo, hi;", ".reg .b16 l16, h16, s16;", ".reg .b32 sp;",
+             "shr.u32 sh, $2, 4;", "prmt.b32 t, $2, sh, $3;", f"lop3.b32 t, t, 0x000F000F, {pair:#010x}, 0xEA;",
+             f"sub.{out}x2 t, t, $4;"]
+    if not fp32_scale:
+        lines += ["cvt.rn.f16.f32 s16, $5;", "mov.b32 sp, {s16, s16};", "mul.rn.f16x2 t, t, sp;"]
+    else:
+        if out == "bf16":
+            lines += ["shl.b32 lo, t, 16;", "and.b32 hi, t, 0xFFFF0000;"]
+        else:
+            lines += ["mov.b32 {l16, h16}, t;", "cvt.f32.f16 lo, l16;", "cvt.f32.f16 hi, h16;"]
+        lines += ["mul.rn.f32 lo, lo, $5;", "mul.rn.f32 hi, hi, $5;", f"cvt.rn.{out}x2.f32 t, hi, lo;"]
+    return "\n".join(lines + ["mov.b32 {$0, $1}, t;", "}"])
+
+
+_ASM_BF16 = gl.constexpr(_pair_asm(0x4300, "bf16", fp32_scale=True))
+_ASM_FP16 = gl.constexpr(_pair_asm(0x6400, "f16", fp32_scale=False))
+_ASM_FP16_FP32_SCALE = gl.constexpr(_pair_asm(0x6400, "f16", fp32_scale=True))
+
+
+@gluon.constexpr_function
+def _word_layout(BLOCK_N, TK, num_warps):
+    """Layout of ``[BLOCK_N, TK, 4]``: word ``(n, w)`` for the thread of quad position ``c`` (dim 2), the wgmma A
+    layout's rows (lanes // 4 -> rows 0-7, a register -> row + 8, warps -> 16-row slices, registers -> further
+    repeats) and its K bits (lanes % 4 -> c, registers -> the words)."""
+    reg = [[8, 0, 0]] + [[0, 1 << b, 0] for b in range(int(math.log2(TK)))]
+    reg += [[16 * num_warps << r, 0, 0] for r in range(int(math.log2(BLOCK_N // (16 * num_warps))))]
+    lane = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    warp = [[16 << w, 0, 0] for w in range(int(math.log2(num_warps)))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_N, TK, 4])
+
+
+@gluon.jit
+def _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, slot, k0, off_m, off_n,
+                  GROUP_SIZE: gl.constexpr):
+    bar = bars.index(slot)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + p_desc.block_type.nbytes + s_desc.block_type.nbytes
+                    + z_desc.block_type.nbytes)
+    _tma_load(x_desc, [off_m, k0], bar, x_smem.index(slot))
+    _tma_load(p_desc, [k0 // 8, off_n], bar, p_smem.index(slot))
+    _tma_load(s_desc, [k0 // GROUP_SIZE, off_n], bar, s_smem.index(slot))
+    _tma_load(z_desc, [k0 // GROUP_SIZE, off_n], bar, z_smem.index(slot))
+
+
+@gluon.jit
+def _dequant(p_smem, s_smem, z_smem, slot, DT: gl.constexpr, S_DT: gl.constexpr, BLOCK_N: gl.constexpr,
+             BLOCK_K: gl.constexpr, L3: gl.constexpr, A: gl.constexpr):
+    """The step's weight tile ``[BLOCK_N, BLOCK_K]`` in ``DT``, in the wgmma A register layout ``A``."""
+    MAGIC_BITS: gl.constexpr = 0x4300 if DT == gl.bfloat16 else 0x6400
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    pbuf = p_smem.index(slot).permute((1, 0))
+    p = pbuf.load(L2)  # int32 [BLOCK_N, TK]
+    gl.static_assert(gl.bank_conflicts(p.type, pbuf.type) == 0)
+    p = gl.expand_dims(p, 2)  # [BLOCK_N, TK, 1]
+    sv = gl.expand_dims(s_smem.index(slot).permute((1, 0)).load(L2).to(gl.float32), 2)  # [BLOCK_N, 1, 1]
+    zv = gl.expand_dims(z_smem.index(slot).permute((1, 0)).load(L2).to(gl.int32), 2)
+    zb = zv | MAGIC_BITS
+    zpair = zb | (zb << 16)
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
+    sel = gl.expand_dims(gl.expand_dims(c | ((c + 4) << 8), 0), 0)  # [1, 1, 4]
+    if DT == gl.bfloat16:
+        f = gl.inline_asm_elementwise(_ASM_BF16, "=h,=h,r,r,r,r", [p, sel, zpair, sv], (gl.bfloat16,) * 2,
+                                      is_pure=True, pack=1)
+    elif S_DT == gl.float16:
+        f = gl.inline_asm_elementwise(_ASM_FP16, "=h,=h,r,r,r,r", [p, sel, zpair, sv], (gl.float16,) * 2,
+                                      is_pure=True, pack=1)
+    else:
+        f = gl.inline_asm_elementwise(_ASM_FP16_FP32_SCALE, "=h,=h,r,r,r,r", [p, sel, zpair, sv], (gl.float16,) * 2,
+                                      is_pure=True, pack=1)
+    w = gl.reshape(gl.join(f[0], f[1]), [BLOCK_N, BLOCK_K])  # k = 8 word + 2 c + e: the K order
+    return gl.convert_layout(w, A, assert_trivial=True)
+
+
+@gluon.jit
+def _paired_step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, i, acc, a_same, n_steps,
+                 k_begin, off_m, off_n, GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr, L3: gl.constexpr, A: gl.constexpr):
+    """Step ``i >= 2``: wait until one wgmma is in flight (wgmma ``i - 2`` done: its registers ``a_same``, its slot),
+    refill that slot with step ``i - 2 + STAGES``, dequantize step ``i`` into ``a_same``'s registers, issue wgmma i."""
+    acc, a_same = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_same))
+    if gl.num_warps() > 4:
+        _barrier()  # ... in every warpgroup
+    nxt = i - 2 + STAGES
+    if nxt < n_steps:
+        _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, nxt % STAGES,
+                      k_begin + nxt * BLOCK_K, off_m, off_n, GROUP_SIZE)
+    slot = i % STAGES
+    mbarrier.wait(bars.index(slot), phase=(i // STAGES) & 1)
+    a_same = _dequant(p_smem, s_smem, z_smem, slot, x_desc.dtype, s_desc.dtype, BLOCK_N, BLOCK_K, L3, A)
+    acc = warpgroup_mma(a_same, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    return acc, a_same
+
+
+@gluon.jit
+def _w4a16_wgmma_rs_kernel(
+    x_desc, p_desc, s_desc, z_desc, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride_om,
+    HAS_BIAS: gl.constexpr, GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr,
+    PAIRED: gl.constexpr = True,
+):  # fmt: skip
+    DT: gl.constexpr = x_desc.dtype
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BLOCK_M)
+    off_m = (pid % num_m) * BLOCK_M
+    off_n = (pid // num_m) * BLOCK_N
+    k_len = K // SPLIT_K
+    k_begin = gl.program_id(1) * k_len
+    n_steps = k_len // BLOCK_K
+
+    TK: gl.constexpr = BLOCK_K // 8
+    L3: gl.constexpr = _word_layout(BLOCK_N, TK, num_warps)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    x_smem = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, TK, BLOCK_N], p_desc.layout)
+    s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, BLOCK_N], s_desc.layout)
+    z_smem = gl.allocate_shared_memory(gl.int16, [STAGES, 1, BLOCK_N], z_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    for s in gl.static_range(STAGES if PAIRED else STAGES - 1):
+        if s < n_steps:
+            _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, s,
+                          k_begin + s * BLOCK_K, off_m, off_n, GROUP_SIZE)
+
+    mbarrier.wait(bars.index(0), phase=0)
+    a = _dequant(p_smem, s_smem, z_smem, 0, DT, s_desc.dtype, BLOCK_N, BLOCK_K, L3, A)
+    acc = warpgroup_mma(a, x_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA),
+                        use_acc=False, is_async=True)
+    if PAIRED:
+        # two register sets (even / odd steps): wgmma i is issued while wgmma i - 1 still runs; the wait before
+        # step i's dequantization frees wgmma i - 2's registers and slot. The host guarantees n_steps >= 2.
+        mbarrier.wait(bars.index(1), phase=0)
+        a_odd = _dequant(p_smem, s_smem, z_smem, 1, DT, s_desc.dtype, BLOCK_N, BLOCK_K, L3, A)
+        acc = warpgroup_mma(a_odd, x_smem.index(1).permute((1, 0)), acc, is_async=True)
+        for j in range(1, n_steps // 2):
+            acc, a = _paired_step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, 2 * j, acc,
+                                  a, n_steps, k_begin, off_m, off_n, GROUP_SIZE, BLOCK_N, BLOCK_K, STAGES, L3, A)
+            acc, a_odd = _paired_step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars,
+                                      2 * j + 1, acc, a_odd, n_steps, k_begin, off_m, off_n, GROUP_SIZE, BLOCK_N,
+                                      BLOCK_K, STAGES, L3, A)
+        if n_steps % 2 == 1:
+            acc, a = _paired_step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, n_steps - 1,
+                                  acc, a, n_steps, k_begin, off_m, off_n, GROUP_SIZE, BLOCK_N, BLOCK_K, STAGES, L3, A)
+        acc, a, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_odd))
+    else:
+        for i in range(1, n_steps):
+            slot = i % STAGES
+            mbarrier.wait(bars.index(slot), phase=(i // STAGES) & 1)
+            a_next = _dequant(p_smem, s_smem, z_smem, slot, DT, s_desc.dtype, BLOCK_N, BLOCK_K, L3, A)
+            # wgmma i - 1 done (its registers, its slot); a_next among the deps: computed before the wait
+            acc, a, a_next = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_next))
+            acc = warpgroup_mma(a_next, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            a = a_next
+            if gl.num_warps() > 4:
+                _barrier()
+            nxt = i + STAGES - 1
+            if nxt < n_steps:
+                _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, nxt % STAGES,
+                              k_begin + nxt * BLOCK_K, off_m, off_n, GROUP_SIZE)
+        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    optr = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
+    mask_n = on < N
+    omask = gl.expand_dims(om < M, 0) & gl.expand_dims(mask_n, 1)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + on, mask=mask_n, other=0.0).to(gl.float32), 1)
+        gl.store(optr, acc.to(DT), mask=omask)
+    else:
+        wptr = ws_ptr + gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)
+        gl.atomic_add(wptr, acc, mask=omask, sem="relaxed")
+        _barrier()
+        arrived = gl.atomic_add(lock_ptr + pid, 1)
+        if arrived == SPLIT_K - 1:
+            zero = gl.zeros_like(acc)
+            total = gl.atomic_add(wptr, zero, mask=omask, sem="relaxed")
+            gl.store(wptr, zero, mask=omask)
+            if HAS_BIAS:
+                total = total + gl.expand_dims(gl.load(bias_ptr + on, mask=mask_n, other=0.0).to(gl.float32), 1)
+            gl.store(optr, total.to(DT), mask=omask)
+            gl.atomic_xchg(lock_ptr + pid, 0)
