@@ -1,4 +1,4 @@
-"""Issue 23: the sweep that chose the ``W4A16Algo.WGMMA`` rows of ``kernels/w4a16/dispatch.RULES``: launch configs of
+"""Issue 23: the sweep that chooses the ``W4A16Algo.WGMMA`` rows of ``kernels/w4a16/dispatch.RULES``: launch configs of
 the product's Gluon kernel (``kernels/w4a16/wgmma_kernels.py``) checked against ``w4a16_matmul_ref``, then timed on
 the shapes the engine runs (Llama-3-8B q|k|v 4096x6144, o 4096x4096, gate|up 4096x28672, down 14336x4096) at M =
 16-256, next to bf16 ``torch.matmul`` and the config ``default_config`` picks (us per call, CUDA-graph clock over
@@ -8,12 +8,12 @@ configs tried in the order below.
     python research/w4a16_wgmma.py --out $OUT/w4a16_wgmma.json            # GPU (Hopper)
     python research/w4a16_wgmma.py --quick --out ...                      # 5 configs, gate|up and down, M = 64-256
 
-Its history (BENCHMARKS.md, issue 23, 2026-12-06): the kernel was first written here, with cp.async copies, then
-TMA; Nsight Compute found 4-way bank conflicts on the weight tile's stores and I2F on the zero points, both fixed
-before it moved into the product. A ``FAST`` variant, the fp16 scale rounded to bf16 and one ``mul.bf16x2`` per
-pair (two roundings, the numerics of kernels that keep scales in the activation dtype), was 2-19% faster on the
-gate|up and down shapes; the product keeps one rounding, as ``w4a16_matmul_ref``. That variant is in git at commit
-305a187 (``research/w4a16_wgmma.py``).
+Its history (BENCHMARKS.md, issue 23, 2026-12-06): the first kernel stored each dequantized weight tile to shared
+memory (cp.async copies, then TMA; Nsight Compute found 4-way bank conflicts on those stores and I2F on the zero
+points, both fixed); it is in git at commit 1771266. A ``FAST`` variant of it, the fp16 scale rounded to bf16 and one
+``mul.bf16x2`` per pair (two roundings), was 2-19% faster on gate|up and down; the product keeps one rounding, as
+``w4a16_matmul_ref`` (commit 305a187). The kernel that replaced it, the weight as wgmma's register operand, was
+first written and compared in ``research/wgmma_rs_kernels.py`` / ``research/w4a16_wgmma_rs.py`` (commit 2e5ed42).
 """
 
 import argparse
@@ -29,19 +29,21 @@ from bench_w4a16 import graph_time_ms, random_layer, rel_err, rotating_sets  # n
 
 from paged_transformers.kernels.w4a16 import W4A16Algo, W4A16Config, default_config, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 
-# (block_m, block_n, block_k, num_stages, num_warps): the winners of the H100 sweeps of 2026-12-06 first
-QUICK = [(64, 128, 64, 4, 4), (128, 128, 64, 3, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 128, 3, 4)]
-CANDIDATES = QUICK + [(64, 128, 64, 3, 8), (64, 256, 64, 3, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8)]
+# (block_m, block_n, block_k, num_stages, num_warps): the winners of the H100 sweep of 2026-12-06 (third session) first;
+# block_m is wgmma's N (a power of two), block_n its M (16 rows per warp)
+QUICK = [(256, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4)]
+CANDIDATES = QUICK + [(256, 64, 64, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 4), (32, 64, 128, 4, 4),
+                      (128, 128, 64, 4, 8), (64, 128, 64, 4, 8)]
 
 
 def splits_for(M, N, K, bm, bn, bk, sms=132):
-    """Split-K counts to try: 1, and the powers of two (at most 8, dividing ``K // bk``) that first give at least one
-    and two programs per SM."""
+    """Split-K counts to try: 1, and the powers of two (at most 8, dividing ``K // bk`` into slices of at least 2 K
+    steps) that first give at least one and two programs per SM."""
     tiles = -(-M // bm) * -(-N // bn)
     out = {1}
     for target in (sms, 2 * sms):
         split = 1
-        while tiles * split < target and split < 8 and (K // bk) % (split * 2) == 0:
+        while tiles * split < target and split < 8 and (K // bk) % (split * 4) == 0:
             split *= 2
         out.add(split)
     return sorted(out)

@@ -2,9 +2,10 @@
 the CPU suite can check), its dispatch, and on a Hopper GPU its results against ``w4a16_matmul_ref``.
 
 The compile checks: every default config (``dispatch.RULES``), bf16 and fp16 x, with and without split-K and bias,
-compiles (the kernel's static asserts include zero bank conflicts on the weight tile's stores), spills nothing, and
+compiles (the kernel's static asserts include zero bank conflicts on the packed words' loads, and its conversion to
+wgmma's register layout must be free), spills nothing, and
 keeps one wgmma group in flight across K steps (ptxas did not serialize them: no C7515 note, and the loop waits with
-``DEPBAR.LE gsb0, 0x1``). They fail on a layout with bank conflicts or an accumulator ptxas serializes.
+``DEPBAR.LE gsb0, 0x1``). They fail on a word layout that is not wgmma's or an accumulator ptxas serializes.
 """
 
 import dataclasses
@@ -119,28 +120,32 @@ def test_compiles_pipelined_for_sm90(case, compiled):
     assert ("ATOMG" in sass or "RED" in sass) == (cfg.split_k > 1)  # the split-K epilogue only with split-K
 
 
-def test_compile_catches_a_bank_conflicted_layout(tmp_path):
-    # the check can fail: with the packed words 4 columns per thread (lanes 4 rows apart) the weight tile's stores
-    # conflict, and the kernel's static assert must refuse to compile it (in a fresh process and compile cache: the
-    # kernel's cache key does not see a patched layout function)
-    script = tmp_path / "conflicted.py"
-    script.write_text(f"""import sys
+def test_compile_catches_a_layout_that_is_not_wgmmas(tmp_path):
+    # the check can fail: with two lane bits of the weight rows swapped (still free of bank conflicts), the dequantized
+    # values do not come out in wgmma's A layout, and the assert_trivial conversion must refuse to compile (in a fresh
+    # process and compile cache: the kernel's cache key does not see a patched layout function)
+    script = tmp_path / "wrong_layout.py"
+    script.write_text(f"""import math, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import test_w4a16_wgmma as t
 from paged_transformers.kernels.w4a16 import wgmma_kernels as wk
 from triton.experimental.gluon import language as gl
 
 
-def conflicted(BLOCK_N, TK, num_warps):
-    return gl.BlockedLayout([4, 1], [8, 4], [num_warps, 1], [0, 1])
+def wrong(BLOCK_N, TK, num_warps):
+    reg = [[8, 0, 0]] + [[0, 1 << b, 0] for b in range(int(math.log2(TK)))]
+    reg += [[16 * num_warps << r, 0, 0] for r in range(int(math.log2(BLOCK_N // (16 * num_warps))))]
+    lane = [[0, 0, 1], [0, 0, 2], [2, 0, 0], [1, 0, 0], [4, 0, 0]]
+    warp = [[16 << w, 0, 0] for w in range(int(math.log2(num_warps)))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_N, TK, 4])
 
 
-wk._p_layout = wk.gluon.constexpr_function(conflicted)
+wk._word_layout = wk.gluon.constexpr_function(wrong)
 t.compile_sm90(t.WGMMA_CONFIGS[0], "bf16")
 """)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                       env=os.environ | {"TRITON_CACHE_DIR": str(tmp_path / "cache")})
-    assert r.returncode != 0 and "bank_conflicts(w.type" in r.stderr, r.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert r.returncode != 0 and "is not trivial" in r.stderr, r.stderr[-3000:]
 
 
 def _hopper(monkeypatch, capability=(9, 0)):
@@ -154,9 +159,9 @@ CUDA = torch.device("cuda")
 
 
 @pytest.mark.parametrize("M,N,K,group,split", [
-    (17, 6144, 4096, 128, 8), (64, 4096, 4096, 128, 4), (128, 6144, 4096, 128, 1), (256, 4096, 4096, 128, 1),
-    (17, 28672, 4096, 128, 1), (256, 28672, 4096, 128, 1), (40, 4096, 14336, 128, 8), (200, 4096, 14336, 128, 4),
-    (64, 64, 128, 64, 2),  # K of 2 steps: the split lowered to 2
+    (17, 6144, 4096, 128, 4), (64, 4096, 4096, 128, 4), (128, 6144, 4096, 128, 1), (256, 4096, 4096, 128, 1),
+    (17, 28672, 4096, 128, 1), (256, 28672, 4096, 128, 1), (40, 4096, 14336, 128, 4), (200, 4096, 14336, 128, 2),
+    (64, 64, 512, 128, 2),  # K of 4 steps: the split lowered to 2 (at least 2 steps per slice)
     (64, 384, 192, 192, 1),  # per-channel, 3 steps: no split
 ])
 def test_default_config_picks_wgmma_on_hopper(M, N, K, group, split, monkeypatch):
@@ -177,6 +182,21 @@ def test_default_config_leaves_wgmma_out_where_it_cannot_run(why, args, monkeypa
     cfg = k.default_config(kw["M"], kw["N"], kw["K"], kw["group"], kw["device"], kw["bits"], torch.bfloat16,
                            kw["tma_aligned"])
     assert cfg.algo is not A.WGMMA, (why, cfg)
+
+
+@pytest.mark.parametrize("cfg,K,reason", [
+    (k.W4A16Config(128, 64, 64, 1, 4, 4, A.WGMMA), 4096, None),
+    (k.W4A16Config(256, 128, 64, 1, 8, 4, A.WGMMA), 4096, None),
+    (k.W4A16Config(512, 64, 64, 1, 4, 4, A.WGMMA), 4096, "block_m"),  # wgmma's N is at most 256
+    (k.W4A16Config(64, 512, 64, 1, 4, 4, A.WGMMA), 4096, "block_n"),
+    (k.W4A16Config(64, 64, 64, 1, 8, 4, A.WGMMA), 4096, "block_n"),  # 8 warps need 128 rows
+    (k.W4A16Config(64, 64, 64, 1, 4, 2, A.WGMMA), 4096, "num_stages"),
+    (k.W4A16Config(64, 64, 64, 2, 4, 4, A.WGMMA), 128, "at least 2 K steps"),  # 1 step per slice
+])
+def test_wgmma_fits_names_the_tile_it_cannot_run(cfg, K, reason, monkeypatch):
+    _hopper(monkeypatch)
+    why = dispatch.wgmma_fits(cfg, 4096, K, 128 if K > 128 else K, CUDA, 4, torch.bfloat16)
+    assert (why is None) if reason is None else (reason in why), why
 
 
 def test_default_config_without_gluon_falls_back(monkeypatch):
@@ -229,7 +249,7 @@ def test_every_default_config_matches_reference(cfg, M):
 # with fp16 / bf16 scales, bias with and without split-K, two M tiles, 8 warps
 EDGE = [
     (70, 200, 256, 128, torch.bfloat16, torch.float16, True, k.W4A16Config(64, 128, 64, 2, 4, 3, A.WGMMA)),
-    (70, 200, 256, 256, torch.bfloat16, torch.float16, False, k.W4A16Config(128, 64, 128, 1, 4, 2, A.WGMMA)),
+    (70, 200, 256, 256, torch.bfloat16, torch.float16, False, k.W4A16Config(128, 64, 128, 1, 4, 3, A.WGMMA)),
     (33, 512, 512, 128, torch.float16, torch.float16, True, k.W4A16Config(64, 128, 64, 1, 8, 3, A.WGMMA)),
     (33, 512, 512, 64, torch.float16, torch.bfloat16, False, k.W4A16Config(64, 64, 64, 4, 4, 4, A.WGMMA)),
     (150, 256, 1024, 128, torch.bfloat16, torch.bfloat16, True, k.W4A16Config(128, 128, 64, 8, 4, 3, A.WGMMA)),

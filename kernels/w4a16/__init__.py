@@ -22,7 +22,7 @@ per layer with the same permutation (as exllama/Marlin-style GPTQ kernels do).
 | ``matmul`` | ``w4a16_matmul`` (checks + launch), the split-K workspace, the custom op ``w4a16_matmul_op`` |
 | ``gemv_kernels`` | ``GEMV``, M = 1: a 1-D fp32 accumulator, one FFMA per weight of its biased value |
 | ``tc_kernels`` | ``TC``, M = 2-64 on CUDA: the weight tile dequantized to exact ``q - z`` in MMA-fragment order, one ``tl.dot`` per K step |
-| ``wgmma_kernels`` | ``WGMMA``, M = 17-256 on Hopper (Gluon): TMA copies, the weight tile dequantized into shared memory while the previous K step's async wgmma runs |
+| ``wgmma_kernels`` | ``WGMMA``, M = 17-256 on Hopper (Gluon): TMA copies; swap AB, the weight tile dequantized straight into wgmma's register operand while the previous K step's async wgmma runs |
 | ``dot_kernels`` | ``DOT`` / ``DOT_SWAP`` (no TC: 8-bit, fp32 x, small groups, CPU), one ``tl.dot`` per packed field; ``DEQUANT_MATMUL``'s pass |
 | ``common_kernels`` | the magic-number field unpack, group rows, the split-K grid and epilogue |
 
@@ -34,9 +34,9 @@ Int -> float is the magic-number trick: OR a field into the mantissa of a power 
   the sum back with an atomic (add of zero), re-zeroes the workspace, writes the output and
   resets the counter, so one launch does the whole GEMM and leaves the workspace clean for the next
   call (the "serial split-K with semaphore" scheme of CUTLASS, done with atomics).
-* Decode batches on Hopper (17-256 rows): ``WGMMA`` tiles M and N and pipelines each K step (TMA copies several steps
-  ahead, the dequantization of step i beside the tensor cores' step i - 1; CUTLASS's Hopper mainloop, Machete's
-  mixed-input scheme); ``default_config`` falls back to ``TC`` / ``DEQUANT_MATMUL`` off sm_90 or without Gluon.
+* Decode batches on Hopper (17-256 rows): ``WGMMA`` computes ``out^T = W^T x^T`` with the dequantized weight as
+  wgmma's register operand and pipelines each K step (TMA copies several steps ahead, the dequantization of step i
+  beside the tensor cores' step i - 1; CUTLASS's Hopper mainloop, Machete's mixed-input scheme); ``default_config`` falls back to ``TC`` / ``DEQUANT_MATMUL`` off sm_90 or without Gluon.
 * Large M (prefill): the weight dequantized to ``x.dtype``, then cuBLAS (exllama's large-batch path).
 
 Sources of the tricks: FasterTransformer / Marlin (magic-number dequant, LOP3 pairs), exllama (dequant + GEMM for

@@ -24,8 +24,9 @@ class W4A16Algo(enum.Enum):
     * ``TC``: swap AB with the whole ``[BLOCK_N, BLOCK_K]`` tile dequantized to exact integers ``q - z`` and one
       ``tl.dot`` per K step (``tc_kernel``; 4-bit, each K step in one group);
     * ``WGMMA``: Hopper only (sm_90), 4 bits, fp16/bf16 x; a Gluon kernel (``wgmma_kernels``) that tiles M and N,
-      copies its inputs with TMA ``num_stages`` deep and dequantizes each K step's weight tile into shared memory
-      while the tensor cores run the previous step's wgmma; ``num_warps`` 4 or 8;
+      copies its inputs with TMA ``num_stages`` deep and dequantizes each K step's weight tile straight into the
+      registers wgmma reads (swap AB: ``block_n`` is wgmma's M, ``block_m`` its N) while the tensor cores run the
+      previous step's wgmma; ``num_warps`` 4 or 8, 16 weight rows per warp;
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer, then
       ``torch.matmul`` (cuBLAS), as exllama does for large batches.
     """
@@ -98,7 +99,7 @@ class Rule:
     """One row of ``RULES``: for ``min_m <= M <= max_m`` and a weight of one of ``shapes``, launch ``config``: its
     ``split_k`` replaced by ``split_k_for`` at ``programs_per_sm`` (which counts one row of output tiles: ``max_m <=
     config.block_m`` in those rows), or, when that is 0, kept as the rule gives it (the sweep's, for 132 SMs) but
-    lowered to the largest power of two dividing the K steps (equal K slices)."""
+    lowered to the largest power of two dividing the K steps (equal K slices) that leaves at least 2 K steps a slice."""
 
     min_m: int
     max_m: int
@@ -120,25 +121,28 @@ RULES = (
     # 4096 x 4096 at M = 16: 9.6 us vs bf16 13.2 (1.38x); DOT_SWAP took 16.9 there (round 3)
     Rule(1, 16, ANY_SHAPE, _tile("tc", 16, 64, 128, 4, 3), 4),
     # WGMMA rows: H100 device time, bf16 x, group 128, on the engine's fused shapes, next to bf16 torch.matmul and the
-    # rows below them (BENCHMARKS.md, issue 23, 2026-12-06, the sweep of `research/w4a16_wgmma.py`)
-    # 4096 x 28672 (gate|up) at M = 32 / 64: 50.0 / 52.6 us vs bf16 80.6 / 79.4, TC 95.4 / 77.2
-    Rule(17, 64, (WIDE,), _tile("wgmma", 64, 128, 64, 4, 4), 0),
-    # at M = 128 / 192 / 256: 70.6 / 134.5 / 144.1 us vs bf16 84.3 / 91.4 / 98.8, DEQUANT_MATMUL 197.2 / 205.6 / 214.9
-    Rule(65, 256, (WIDE,), _tile("wgmma", 128, 128, 64, 4, 3), 0),
-    # 14336 x 4096 (down) at M = 32 / 64: 29.3 / 33.8 us vs bf16 43.6 / 45.0, TC 47.8 / 47.5
-    Rule(17, 64, (TALL,), _tile("wgmma", 64, 128, 64, 4, 4, split_k=8), 0),
-    # at M = 128: 46.8 us vs bf16 51.5, DEQUANT_MATMUL 107.1
+    # kernel these rows replaced, whose weight tile went through shared memory (BENCHMARKS.md, issue 23, 2026-12-06,
+    # third session: `research/w4a16_wgmma_rs.py` at commit 2e5ed42)
+    # 4096 x 28672 (gate|up) at M = 32 / 64: 45.9 / 53.5 us vs bf16 84.0 / 81.1, the previous kernel 51.1 / 52.8
+    Rule(17, 32, (WIDE,), _tile("wgmma", 32, 128, 64, 4, 4), 0),
+    Rule(33, 64, (WIDE,), _tile("wgmma", 64, 128, 64, 4, 4), 0),
+    # at M = 128: 67.6 us vs bf16 85.4, previous 71.6
+    Rule(65, 128, (WIDE,), _tile("wgmma", 128, 128, 64, 4, 4), 0),
+    # at M = 192 / 256: 114.2 / 118.5 us vs bf16 92.9 / 99.2, previous 133.4 / 138.7
+    Rule(129, 256, (WIDE,), _tile("wgmma", 256, 128, 64, 8, 4), 0),
+    # 14336 x 4096 (down) at M = 32 / 64: 24.5 / 30.1 us vs bf16 44.2 / 45.8, previous 29.3 / 34.9
+    Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=8), 0),
+    Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 128, 4, 4, split_k=4), 0),
+    # at M = 128 / 192 / 256: 46.3 / 75.1 / 79.7 us vs bf16 52.3 / 76.1 / 58.6, previous 48.1 / 74.8 / 80.3
     Rule(65, 128, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=4), 0),
-    # at M = 192 / 256: 73.3 / 79.7 us vs bf16 76.6 / 58.4, DEQUANT_MATMUL 125.7 / 110.3
-    Rule(129, 256, (TALL,), _tile("wgmma", 128, 128, 64, 4, 3, split_k=4), 0),
-    # 4096 x 4096 (o) / 4096 x 6144 (q|k|v) at M = 32: 14.4 / 18.4 us vs bf16 14.2 / 20.9, DEQUANT_MATMUL 22.6 / 40.1
-    Rule(17, 32, (SQUARE,), _tile("wgmma", 64, 128, 64, 8, 3, split_k=8), 0),
-    # at M = 64: 17.0 / 21.2 us vs bf16 14.3 / 21.0, DEQUANT_MATMUL 23.1 / 40.7
+    Rule(129, 256, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=2), 0),
+    # 4096 x 6144 (q|k|v) / 4096 x 4096 (o) at M = 32: 14.4 / 11.2 us vs bf16 21.0 / 14.3, previous 18.6 / 15.1
+    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=4), 0),
+    # at M = 64: 19.2 / 16.0 us vs bf16 20.9 / 14.5, previous 22.3 / 17.1
     Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=4), 0),
-    # at M = 128: 27.8 / 28.7 us vs bf16 14.9 / 20.5, DEQUANT_MATMUL 27.4 / 44.7
-    Rule(65, 128, (SQUARE,), _tile("wgmma", 64, 128, 128, 4, 3), 0),
-    # at M = 192: 32.0 / 42.5 us, M = 256: 33.2 / 43.1 vs bf16 16.4 / 28.3, 19.2 / 24.5, DEQUANT_MATMUL 29.6 / 50.2,
-    # 31.2 / 48.6 (the square layer alone is faster on DEQUANT_MATMUL; the pair of them is not)
+    # at M = 128: 28.1 / 27.6 us vs bf16 20.9 / 15.2, previous 29.4 / 28.5 (split 4: 36.4 / 23.6)
+    Rule(65, 128, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
+    # at M = 256: 39.8 / 27.8 us vs bf16 24.3 / 19.2, previous 42.8 / 34.0
     Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
     # without WGMMA (not Hopper, or its tiles do not fit): the rows below
     # 4096 x 14336 at M = 64: 39.8 us vs DEQUANT_MATMUL's 73.5 (docs/benchmark-history.md, round 7)
@@ -172,23 +176,26 @@ def has_gluon() -> bool:
 def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: torch.device, bits: int,
                dtype: torch.dtype) -> str | None:
     """Why ``W4A16Algo.WGMMA`` with ``config`` cannot run this layer (a sentence), or ``None`` when it can: a
-    Hopper GPU (sm_90: wgmma) and Gluon; 4 bits and fp16/bf16 x; tiles of 64 or 128 K rows, 64-256 columns and a
-    multiple of 64 rows on 4 or 8 warps, at least 2 stages; every K step in one group and the K slices whole
-    (``K % (block_k * split_k) == 0``); ``N % 8 == 0`` (TMA: 16-byte row strides of the scales and zero points)."""
+    Hopper GPU (sm_90: wgmma) and Gluon; 4 bits and fp16/bf16 x; block_m 16-256 (wgmma's N), block_n a multiple of
+    16 rows per warp up to 256 (wgmma's M), block_k 64 or 128, 4 or 8 warps, at least 3 stages;
+    every K step in one group and the K slices whole, of at least 2 steps (``K % (block_k * split_k) == 0``);
+    ``N % 8 == 0`` (TMA: 16-byte row strides of the scales and zero points)."""
     if device.type != "cuda" or cuda_capability(device, TUNED_CAPABILITY)[0] != 9:
         return f"WGMMA needs a Hopper (sm_90) GPU, got {device}"
     if not has_gluon():
         return "WGMMA needs Gluon (triton >= 3.6)"
     if bits != 4 or dtype not in (torch.float16, torch.bfloat16):
         return f"WGMMA takes 4-bit weights and fp16/bf16 x, got bits={bits}, {dtype}"
-    if (config.block_k not in (64, 128) or not 64 <= config.block_n <= 256 or config.block_m % 64
-            or config.num_warps not in (4, 8) or config.num_stages < 2):
-        return ("WGMMA needs block_k 64 or 128, block_n 64-256, block_m a multiple of 64, 4 or 8 warps and "
-                "num_stages >= 2")
+    # (W4A16Config's block sizes are powers of two)
+    if (not 16 <= config.block_m <= 256 or config.num_warps not in (4, 8) or config.block_n > 256
+            or config.block_n % (16 * config.num_warps) or config.block_k not in (64, 128) or config.num_stages < 3):
+        return ("WGMMA needs block_m 16-256, 4 or 8 warps, block_n a multiple of 16 * num_warps up to 256, block_k 64 "
+                "or 128 and num_stages >= 3")
     if group_size % config.block_k and group_size != K:
         return f"WGMMA needs group_size ({group_size}) a multiple of block_k or K ({K})"
-    if K % (config.block_k * config.split_k) or N % 8:
-        return f"WGMMA needs K ({K}) a multiple of block_k * split_k and N ({N}) a multiple of 8"
+    if K % (config.block_k * config.split_k) or K // (config.block_k * config.split_k) < 2 or N % 8:
+        return (f"WGMMA needs K ({K}) a multiple of block_k * split_k, at least 2 K steps per slice, and N ({N}) a "
+                "multiple of 8")
     return None
 
 
@@ -249,4 +256,6 @@ def _with_split(rule: Rule, N: int, K: int, device: torch.device) -> W4A16Config
         split = split_k_for(-(-N // cfg.block_n), k_iters, num_sms(device, TUNED_NUM_SMS), rule.programs_per_sm)
     else:
         split = math.gcd(cfg.split_k, k_iters)  # the rules' splits are powers of two
+        while split > 1 and k_iters // split < 2:  # at least 2 K steps per slice (WGMMA needs them)
+            split //= 2
     return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)
