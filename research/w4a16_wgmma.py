@@ -32,8 +32,9 @@ from paged_transformers.kernels.w4a16 import W4A16Algo, W4A16Config, default_con
 # (block_m, block_n, block_k, num_stages, num_warps): the winners of the H100 sweep of 2026-12-06 (third session) first;
 # block_m is wgmma's N (a power of two), block_n its M (16 rows per warp)
 QUICK = [(256, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4)]
+# 256-row weight tiles on 8 warps (untimed): a quarter of the x tile reads from L2 that 64-row tiles make
 CANDIDATES = QUICK + [(256, 64, 64, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 4), (32, 64, 128, 4, 4),
-                      (128, 128, 64, 4, 8), (64, 128, 64, 4, 8)]
+                      (128, 128, 64, 4, 8), (64, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 256, 64, 4, 8)]
 
 
 def splits_for(M, N, K, bm, bn, bk, sms=132):
