@@ -26,7 +26,7 @@ class W4A16Algo(enum.Enum):
     * ``WGMMA``: Hopper only (sm_90), 4 bits, fp16/bf16 x; a Gluon kernel (``wgmma_kernels``) that tiles M and N,
       copies its inputs with TMA ``num_stages`` deep and dequantizes each K step's weight tile straight into the
       registers wgmma reads (swap AB: ``block_n`` is wgmma's M, ``block_m`` its N) while the tensor cores run the
-      previous step's wgmma; ``num_warps`` 4 or 8, 16 weight rows per warp;
+      previous step's wgmma; ``num_warps`` 4 or 8, each warp taking 16-row slices of the weight tile;
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer, then
       ``torch.matmul`` (cuBLAS), as exllama does for large batches.
     """
@@ -123,6 +123,8 @@ RULES = (
     # WGMMA rows: H100 device time, bf16 x, group 128, on the engine's fused shapes, next to bf16 torch.matmul and the
     # kernel these rows replaced, whose weight tile went through shared memory (BENCHMARKS.md, issue 23, 2026-12-06,
     # third session: `research/w4a16_wgmma_rs.py` at commit 2e5ed42)
+    # (the times are of the config each row launches; a row with block_k = 128 is followed by one of block_k = 64 for
+    # groups of 64)
     # 4096 x 28672 (gate|up) at M = 32 / 64: 45.9 / 53.5 us vs bf16 84.0 / 81.1, the previous kernel 51.1 / 52.8
     Rule(17, 32, (WIDE,), _tile("wgmma", 32, 128, 64, 4, 4), 0),
     Rule(33, 64, (WIDE,), _tile("wgmma", 64, 128, 64, 4, 4), 0),
@@ -130,19 +132,24 @@ RULES = (
     Rule(65, 128, (WIDE,), _tile("wgmma", 128, 128, 64, 4, 4), 0),
     # at M = 192 / 256: 114.2 / 118.5 us vs bf16 92.9 / 99.2, previous 133.4 / 138.7
     Rule(129, 256, (WIDE,), _tile("wgmma", 256, 128, 64, 8, 4), 0),
-    # 14336 x 4096 (down) at M = 32 / 64: 24.5 / 30.1 us vs bf16 44.2 / 45.8, previous 29.3 / 34.9
+    # 14336 x 4096 (down) at M = 32 / 64: 24.5 / 30.1 us vs bf16 44.2 / 45.8, previous 29.3 / 34.9; block_k = 64:
+    # 28.3 / 32.0
     Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=8), 0),
+    Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=8), 0),
     Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 128, 4, 4, split_k=4), 0),
+    Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=8), 0),
     # at M = 128 / 192 / 256: 46.3 / 75.1 / 79.7 us vs bf16 52.3 / 76.1 / 58.6, previous 48.1 / 74.8 / 80.3
     Rule(65, 128, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=4), 0),
     Rule(129, 256, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=2), 0),
-    # 4096 x 6144 (q|k|v) / 4096 x 4096 (o) at M = 32: 14.4 / 11.2 us vs bf16 21.0 / 14.3, previous 18.6 / 15.1
+    # 4096 x 6144 (q|k|v) / 4096 x 4096 (o) at M = 32: 14.4 / 12.6 us vs bf16 21.0 / 14.3, previous 18.6 / 15.1;
+    # block_k = 64: 15.8 / 13.9
     Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=4), 0),
-    # at M = 64: 19.2 / 16.0 us vs bf16 20.9 / 14.5, previous 22.3 / 17.1
+    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=4), 0),
+    # at M = 64: 19.1 / 16.2 us vs bf16 21.3 / 14.5, previous 21.9 / 17.3
     Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=4), 0),
     # at M = 128: 28.1 / 27.6 us vs bf16 20.9 / 15.2, previous 29.4 / 28.5 (split 4: 36.4 / 23.6)
     Rule(65, 128, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
-    # at M = 256: 39.8 / 27.8 us vs bf16 24.3 / 19.2, previous 42.8 / 34.0
+    # at M = 256: 39.8 / 27.8 us vs bf16 24.4 / 19.2, previous 42.8 / 34.1
     Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
     # without WGMMA (not Hopper, or its tiles do not fit): the rows below
     # 4096 x 14336 at M = 64: 39.8 us vs DEQUANT_MATMUL's 73.5 (docs/benchmark-history.md, round 7)
@@ -173,13 +180,23 @@ def has_gluon() -> bool:
     return tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6)
 
 
+_HOPPER_SMEM_BYTES = 227 * 1024  # shared memory a block may use on sm_90
+
+
+def _wgmma_smem_bytes(config: W4A16Config) -> int:
+    """Shared memory of the WGMMA kernel's ring (bytes): per stage the x tile ``[block_m, block_k]`` (16-bit), the
+    packed words ``[block_k // 8, block_n]`` (int32), a row of scales (at most fp32) and of zero points (int16)."""
+    per_stage = config.block_m * config.block_k * 2 + config.block_k // 8 * config.block_n * 4 + config.block_n * 6
+    return config.num_stages * (per_stage + 8)  # + its mbarrier
+
+
 def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: torch.device, bits: int,
                dtype: torch.dtype) -> str | None:
     """Why ``W4A16Algo.WGMMA`` with ``config`` cannot run this layer (a sentence), or ``None`` when it can: a
     Hopper GPU (sm_90: wgmma) and Gluon; 4 bits and fp16/bf16 x; block_m 16-256 (wgmma's N), block_n a multiple of
-    16 rows per warp up to 256 (wgmma's M), block_k 64 or 128, 4 or 8 warps, at least 3 stages;
-    every K step in one group and the K slices whole, of at least 2 steps (``K % (block_k * split_k) == 0``);
-    ``N % 8 == 0`` (TMA: 16-byte row strides of the scales and zero points)."""
+    16 * num_warps up to 256 (wgmma's M), block_k 64 or 128, 4 or 8 warps, at least 3 stages, a ring that fits in
+    shared memory (``_wgmma_smem_bytes``); every K step in one group and the K slices whole, of at least 2 steps
+    (``K % (block_k * split_k) == 0``); ``N % 8 == 0`` (TMA: 16-byte row strides of the scales and zero points)."""
     if device.type != "cuda" or cuda_capability(device, TUNED_CAPABILITY)[0] != 9:
         return f"WGMMA needs a Hopper (sm_90) GPU, got {device}"
     if not has_gluon():
@@ -187,10 +204,19 @@ def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: tor
     if bits != 4 or dtype not in (torch.float16, torch.bfloat16):
         return f"WGMMA takes 4-bit weights and fp16/bf16 x, got bits={bits}, {dtype}"
     # (W4A16Config's block sizes are powers of two)
-    if (not 16 <= config.block_m <= 256 or config.num_warps not in (4, 8) or config.block_n > 256
-            or config.block_n % (16 * config.num_warps) or config.block_k not in (64, 128) or config.num_stages < 3):
-        return ("WGMMA needs block_m 16-256, 4 or 8 warps, block_n a multiple of 16 * num_warps up to 256, block_k 64 "
-                "or 128 and num_stages >= 3")
+    if not 16 <= config.block_m <= 256:
+        return f"WGMMA needs block_m 16-256 (wgmma's N), got {config.block_m}"
+    if config.num_warps not in (4, 8):
+        return f"WGMMA needs 4 or 8 warps, got {config.num_warps}"
+    if config.block_n % (16 * config.num_warps) or config.block_n > 256:
+        return (f"WGMMA needs block_n a multiple of 16 * num_warps up to 256, got {config.block_n} on "
+                f"{config.num_warps} warps")
+    if config.block_k not in (64, 128) or config.num_stages < 3:
+        return f"WGMMA needs block_k 64 or 128 and num_stages >= 3, got {config.block_k} and {config.num_stages}"
+    smem = _wgmma_smem_bytes(config)
+    if smem > _HOPPER_SMEM_BYTES:
+        return (f"WGMMA's ring of {config.num_stages} stages needs {smem} bytes of shared memory, over "
+                f"{_HOPPER_SMEM_BYTES}")
     if group_size % config.block_k and group_size != K:
         return f"WGMMA needs group_size ({group_size}) a multiple of block_k or K ({K})"
     if K % (config.block_k * config.split_k) or K // (config.block_k * config.split_k) < 2 or N % 8:

@@ -4,7 +4,8 @@ descriptors (imported on the first launch, see ``kernels._launch``).
 The product is computed transposed, ``out^T [N, M] = W^T [N, K] @ x^T [K, M]``: the dequantized weight tile is
 wgmma's A operand, which wgmma reads from registers, and x is its B operand in shared memory (Machete's layout for
 mixed-input GEMMs: the weight never goes through shared memory after it is dequantized). Each program computes one
-``[BLOCK_N, BLOCK_M]`` tile of ``out^T`` over its K slice; each warp owns 16 of its weight rows. Every K step ``i``:
+``[BLOCK_N, BLOCK_M]`` tile of ``out^T`` over its K slice; its weight rows go to the warps in 16-row slices (warp
+``w`` takes slices ``w, w + num_warps, ...``). Every K step ``i``:
 
 1. waits until one wgmma is in flight (``warpgroup_mma_wait(1)``: wgmma ``i - 2`` is done, which frees its ring slot
    and its registers) and issues the TMA copies of step ``i - 2 + STAGES`` (x tile, packed words, scales, zero
@@ -14,9 +15,10 @@ mixed-input GEMMs: the weight never goes through shared memory after it is dequa
    lane % 4). In the package's layout (int32 word ``w`` of a column holds ``k = 8w .. 8w + 7``) those are byte ``c``
    of every word of its rows, so each thread reads its rows' words (the 4 threads of a quad read the same word) and
    turns byte ``c`` into 2 values with one LOP3 pair (FasterTransformer / Marlin's magic numbers give ``q - z``
-   exactly), then ``(q - z) * s`` rounded once to ``x.dtype``, as ``w4a16_matmul_ref`` rounds. No repack of
-   ``qweight`` is needed; ``convert_layout(..., assert_trivial=True)`` checks at compile time that the values come
-   out in the A layout;
+   exactly), then ``(q - z) * s`` in ``x.dtype``, rounded as ``w4a16_matmul_ref`` rounds (once for fp16 / bf16
+   scales, whose product with ``q - z`` is exact in fp32; an fp32 scale's product is rounded to fp32 first, as
+   there). No repack of ``qweight`` is needed; ``convert_layout(..., assert_trivial=True)`` checks at compile time
+   that the values come out in the A layout;
 3. issues wgmma ``i``. Even and odd steps use two register sets, so wgmma ``i`` queues behind wgmma ``i - 1``.
 
 Sources: the software pipeline over TMA and mbarriers and the async wgmma are CUTLASS's Hopper mainloop; the swap of
@@ -42,8 +44,9 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 def _pair_asm(magic_bits: int, out: str, fp32_scale: bool) -> str:
     """PTX: int32 word ``$2`` (8 four-bit fields, low first), prmt selector ``$3`` = ``c | (4 + c) << 8``, ``$4`` =
     ``B + z`` in both 16-bit halves (``B`` the magic number of ``out``: 128 for bf16, 1024 for fp16), ``$5`` the fp32
-    scale -> ``$0, $1`` = fields ``2c, 2c + 1`` as ``(q - z) * s`` in ``out`` ("bf16" / "f16"), rounded once: in fp32
-    when ``fp32_scale``, else (fp16 out, fp16 scale: both operands exact in fp16) one ``mul.rn.f16x2``."""
+    scale -> ``$0, $1`` = fields ``2c, 2c + 1`` as ``(q - z) * s`` in ``out`` ("bf16" / "f16"): the product in fp32
+    (exact for a 16-bit scale), then rounded to ``out``, when ``fp32_scale``; else (fp16 out, fp16 scale) one
+    ``mul.rn.f16x2``, the same single rounding."""
     pair = magic_bits * 0x10001
     lines = ["{", ".reg .b32 sh, t, lo, hi;", ".reg .b16 l16, h16, s16;", ".reg .b32 sp;",
              # byte 0 <- byte c of the word (field 2c low), byte 2 <- byte c of word >> 4 (field 2c + 1 low)
