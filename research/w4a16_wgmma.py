@@ -38,8 +38,8 @@ CANDIDATES = QUICK + [(256, 64, 64, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 
 
 
 def splits_for(M, N, K, bm, bn, bk, sms=132):
-    """Split-K counts to try: 1, and the powers of two (at most 8, dividing ``K // bk`` into slices of at least 2 K
-    steps) that first give at least one and two programs per SM."""
+    """Split-K counts to try: 1, and the powers of two (at most 8, dividing ``K // bk`` into slices of an even number
+    of K steps, so at least 2) that first give at least one and two programs per SM."""
     tiles = -(-M // bm) * -(-N // bn)
     out = {1}
     for target in (sms, 2 * sms):

@@ -81,6 +81,13 @@ CASES = [(cfg, "bf16", "fp16", False) for cfg in WGMMA_CONFIGS] + [
 ]
 
 
+def _run_fresh(script: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python without the interpreter and with its own compile cache under ``cwd`` (a kernel's
+    cache key does not see a patched layout function)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cwd / "cache")}
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Every case of ``CASES`` compiled in one fresh process, ``{index: (ptxas log, SASS) or the error}``: the
@@ -101,8 +108,7 @@ for i, case in enumerate(t.CASES):
         res[i] = f"{{type(e).__name__}}: {{e}}"
 json.dump(res, open(sys.argv[1], "w"))
 """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(d / "cache")}
-    r = subprocess.run([sys.executable, str(script), str(d / "out.json")], capture_output=True, text=True, cwd=d, env=env)
+    r = _run_fresh(script, d, str(d / "out.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     return {int(i): v for i, v in json.loads((d / "out.json").read_text()).items()}
 
@@ -135,7 +141,7 @@ from paged_transformers.kernels.w4a16 import wgmma_kernels as wk
 from triton.experimental.gluon import language as gl
 
 
-def wrong(BLOCK_N, TK, num_warps):
+def wrong(BLOCK_N, TK, num_warps):  # _word_layout's, with its lanes' row bits 0 and 1 swapped
     reg = [[8, 0, 0]] + [[0, 1 << b, 0] for b in range(int(math.log2(TK)))]
     reg += [[16 * num_warps << r, 0, 0] for r in range(int(math.log2(BLOCK_N // (16 * num_warps))))]
     lane = [[0, 0, 1], [0, 0, 2], [2, 0, 0], [1, 0, 0], [4, 0, 0]]
@@ -146,8 +152,7 @@ def wrong(BLOCK_N, TK, num_warps):
 wk._word_layout = wk.gluon.constexpr_function(wrong)
 t.compile_sm90(t.WGMMA_CONFIGS[0], "bf16")
 """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    r = _run_fresh(script, tmp_path)
     assert r.returncode != 0 and "is not trivial" in r.stderr, r.stderr[-3000:]
 
 

@@ -36,7 +36,8 @@ Int -> float is the magic-number trick: OR a field into the mantissa of a power 
   call (the "serial split-K with semaphore" scheme of CUTLASS, done with atomics).
 * Decode batches on Hopper (17-256 rows): ``WGMMA`` computes ``out^T = W^T x^T`` with the dequantized weight as
   wgmma's register operand and pipelines each K step (TMA copies several steps ahead, the dequantization of step i
-  beside the tensor cores' step i - 1; CUTLASS's Hopper mainloop, Machete's mixed-input scheme); ``default_config`` falls back to ``TC`` / ``DEQUANT_MATMUL`` off sm_90 or without Gluon.
+  beside the tensor cores' step i - 1; CUTLASS's Hopper mainloop, Machete's mixed-input scheme); ``default_config``
+  falls back to ``TC`` / ``DEQUANT_MATMUL`` off sm_90 or without Gluon.
 * Large M (prefill): the weight dequantized to ``x.dtype``, then cuBLAS (exllama's large-batch path).
 
 Sources of the tricks: FasterTransformer / Marlin (magic-number dequant, LOP3 pairs), exllama (dequant + GEMM for

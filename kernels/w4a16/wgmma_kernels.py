@@ -237,6 +237,8 @@ def _w4a16_wgmma_kernel(
                 total = total + gl.expand_dims(gl.load(bias_ptr + on, mask=mask_n, other=0.0).to(gl.float32), 1)
             gl.store(optr, total.to(DT), mask=omask)
             gl.atomic_xchg(lock_ptr + pid, 0)
+
+
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
               torch.int32: gl.int32, torch.int16: gl.int16}
 
