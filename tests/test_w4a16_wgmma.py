@@ -125,6 +125,9 @@ def test_compiles_pipelined_for_sm90(case, compiled):
     # steps 0 and 1, the loop's two steps and the odd tail each issue BLOCK_K / 16 per 16-row slice of a warp
     assert sass.count("HGMMA") == 5 * (cfg.block_k // 16) * (cfg.block_n // (16 * cfg.num_warps)), sass.count("HGMMA")
     assert ("ATOMG" in sass or "RED" in sass) == (cfg.split_k > 1)  # the split-K epilogue only with split-K
+    # the epilogue's global stores and split-K adds move 16 bytes each (8 columns of out, 4 of the fp32 workspace)
+    writes = re.findall(r"\b(?:STG|REDG)\.E\S*", sass)
+    assert writes and all(w.startswith("STG.E.128") or "F32x4" in w for w in writes), sorted(set(writes))
 
 
 def test_compile_catches_a_layout_that_is_not_wgmmas(tmp_path):

@@ -21,6 +21,11 @@ mixed-input GEMMs: the weight never goes through shared memory after it is dequa
    that the values come out in the A layout;
 3. issues wgmma ``i``. Even and odd steps use two register sets, so wgmma ``i`` queues behind wgmma ``i - 1``.
 
+The finished tile is moved (through shared memory, which the ring no longer needs) from wgmma's layout, where a
+thread's values of one row of ``out`` are single columns 8 apart, to one where each thread holds 8 consecutive
+columns (``_epilogue_layout``): every store of ``out`` and every split-K add into the fp32 workspace then moves 16
+bytes (2 and 4 before), and 256-row x tiles with split-K no longer spill registers.
+
 Sources: the software pipeline over TMA and mbarriers and the async wgmma are CUTLASS's Hopper mainloop; the swap of
 A and B with the weight in registers is Machete's (vLLM); the LOP3 dequantization is Marlin's; the serial split-K is
 the package's (``common_kernels._write_tile``). Gluon has no interpreter: CI compiles this module for sm_90 on the
@@ -79,6 +84,17 @@ def _word_layout(BLOCK_N, TK, num_warps):
     lane = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
     warp = [[16 << w, 0, 0] for w in range(int(math.log2(num_warps)))]
     return gl.DistributedLinearLayout(reg, lane, warp, [], [BLOCK_N, TK, 4])
+
+
+@gluon.constexpr_function
+def _epilogue_layout(BLOCK_N, BLOCK_M, num_warps):
+    """Layout of the ``[BLOCK_N, BLOCK_M]`` tile for its stores: 8 consecutive columns of ``out`` per thread (one
+    16-byte store in 16 bits, two 16-byte reductions in fp32), a warp's lanes along N first. It covers at most 16
+    rows, so on the tiles ``wgmma_fits`` allows no thread holds a copy of another's values (the split-K adds must
+    happen once)."""
+    tn = min(BLOCK_N // 8, 32)
+    wn = min(BLOCK_N // (8 * tn), num_warps)
+    return gl.BlockedLayout([8, 1], [tn, 32 // tn], [wn, num_warps // wn], [0, 1])
 
 
 @gluon.jit
@@ -142,6 +158,40 @@ def _step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, 
     a_same = _dequant(p_smem, s_smem, z_smem, slot, x_desc.dtype, s_desc.dtype, BLOCK_N, BLOCK_K, L3, A)
     acc = warpgroup_mma(a_same, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
     return acc, a_same
+
+
+@gluon.jit
+def _write_out(acc, bias_ptr, out_ptr, ws_ptr, lock_ptr, off_m, off_n, M, N, stride_om, HAS_BIAS: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr):
+    """The program's fp32 tile ``acc [BLOCK_N, BLOCK_M]`` (``out^T``) into ``out`` (+ bias): stored, or with split-K
+    added into the workspace, the last of the tile's ``SPLIT_K`` programs writing the sum."""
+    DT: gl.constexpr = out_ptr.dtype.element_ty
+    EPI: gl.constexpr = _epilogue_layout(BLOCK_N, BLOCK_M, num_warps)
+    acc = gl.convert_layout(acc, EPI)
+    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, EPI))
+    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, EPI))
+    optr = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
+    mask_n = on < N
+    omask = gl.expand_dims(om < M, 0) & gl.expand_dims(mask_n, 1)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + on, mask=mask_n, other=0.0).to(gl.float32), 1)
+        gl.store(optr, acc.to(DT), mask=omask)
+    else:
+        # as common_kernels._write_tile: relaxed fp32 adds into the zeroed workspace, then the tile's arrival counter
+        # (acq_rel); the last program reads the sum back, leaves zeros, writes the tile and resets the counter
+        wptr = ws_ptr + gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)
+        gl.atomic_add(wptr, acc, mask=omask, sem="relaxed")
+        _barrier()
+        arrived = gl.atomic_add(lock_ptr + gl.program_id(0), 1)
+        if arrived == SPLIT_K - 1:
+            zero = gl.zeros_like(acc)
+            total = gl.atomic_add(wptr, zero, mask=omask, sem="relaxed")  # an L2-coherent read of the sum
+            gl.store(wptr, zero, mask=omask)
+            if HAS_BIAS:
+                total = total + gl.expand_dims(gl.load(bias_ptr + on, mask=mask_n, other=0.0).to(gl.float32), 1)
+            gl.store(optr, total.to(DT), mask=omask)
+            gl.atomic_xchg(lock_ptr + gl.program_id(0), 0)
 
 
 @gluon.jit
@@ -213,30 +263,8 @@ def _w4a16_wgmma_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    optr = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
-    mask_n = on < N
-    omask = gl.expand_dims(om < M, 0) & gl.expand_dims(mask_n, 1)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc = acc + gl.expand_dims(gl.load(bias_ptr + on, mask=mask_n, other=0.0).to(gl.float32), 1)
-        gl.store(optr, acc.to(DT), mask=omask)
-    else:
-        # as common_kernels._write_tile: relaxed fp32 adds into the zeroed workspace, then the tile's arrival counter
-        # (acq_rel); the last program reads the sum back, leaves zeros, writes the tile and resets the counter
-        wptr = ws_ptr + gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)
-        gl.atomic_add(wptr, acc, mask=omask, sem="relaxed")
-        _barrier()
-        arrived = gl.atomic_add(lock_ptr + pid, 1)
-        if arrived == SPLIT_K - 1:
-            zero = gl.zeros_like(acc)
-            total = gl.atomic_add(wptr, zero, mask=omask, sem="relaxed")  # an L2-coherent read of the sum
-            gl.store(wptr, zero, mask=omask)
-            if HAS_BIAS:
-                total = total + gl.expand_dims(gl.load(bias_ptr + on, mask=mask_n, other=0.0).to(gl.float32), 1)
-            gl.store(optr, total.to(DT), mask=omask)
-            gl.atomic_xchg(lock_ptr + pid, 0)
+    _write_out(acc, bias_ptr, out_ptr, ws_ptr, lock_ptr, off_m, off_n, M, N, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N,
+               SPLIT_K, num_warps)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
