@@ -2,8 +2,8 @@
 the bf16 matmul of the same shape, between cudaProfilerStart/Stop, for Nsight Compute: where its K steps wait. ``bash research/gpu_ncu_wgmma.sh``
 runs it under ``ncu`` on the GPU machine and writes the report's details and per-instruction source pages.
 
-Cases: the gate|up shape (4096x28672) at M = 64 and 256, and the down shape (14336x4096) at M = 64, each with the
-config ``default_config`` picks.
+Cases: the o shape (4096x4096), the gate|up shape (4096x28672) and the down shape (14336x4096) at M = 256, and gate|up
+at M = 128, each with the config ``default_config`` picks.
 """
 import torch
 
@@ -11,7 +11,7 @@ from paged_transformers.kernels.w4a16 import default_config, w4a16_matmul
 
 dev = torch.device("cuda")
 torch.manual_seed(0)
-CASES = [(4096, 28672, 64), (4096, 28672, 256), (14336, 4096, 64)]  # (K, N, M)
+CASES = [(4096, 4096, 256), (4096, 28672, 256), (14336, 4096, 256), (4096, 28672, 128)]  # (K, N, M)
 calls = []
 for K, N, M in CASES:
     G = K // 128

@@ -38,16 +38,13 @@ CANDIDATES = QUICK + [(256, 64, 64, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 
 
 
 def splits_for(M, N, K, bm, bn, bk, sms=132):
-    """Split-K counts to try: 1, and the powers of two (at most 8, dividing ``K // bk`` into slices of an even number
-    of K steps, so at least 2) that first give at least one and two programs per SM."""
+    """Split-K counts to try: the powers of two from 1 up to the first that gives at least two programs per SM (at
+    most 8, dividing ``K // bk`` into slices of an even number of K steps, so at least 2)."""
     tiles = -(-M // bm) * -(-N // bn)
-    out = {1}
-    for target in (sms, 2 * sms):
-        split = 1
-        while tiles * split < target and split < 8 and (K // bk) % (split * 4) == 0:
-            split *= 2
-        out.add(split)
-    return sorted(out)
+    out = [1]
+    while tiles * out[-1] < 2 * sms and out[-1] < 8 and (K // bk) % (out[-1] * 4) == 0:
+        out.append(out[-1] * 2)
+    return out
 
 
 def config(cand, split):
@@ -60,14 +57,41 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--quick", action="store_true", help="5 configs on gate|up and down at M = 64, 128, 256")
+    ap.add_argument("--ms", default=None, help="comma-separated M values to time (default: by --quick)")
+    ap.add_argument("--cands", default=None,
+                    help="configs to try instead of the lists above: 'bm,bn,bk,stages,warps' separated by ';'")
+    ap.add_argument("--check-dtypes", default="bf16,fp16", help="x dtypes of the correctness check (bf16, fp16)")
+    ap.add_argument("--ab", default=None,
+                    help="comma-separated copies of wgmma_kernels.py (e.g. `git show COMMIT:kernels/w4a16/"
+                         "wgmma_kernels.py`) or research kernels of the same contract (research/wgmma_ws_kernels.py): "
+                         "every variant is also timed with each one's kernel, in the same process ('ab')")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    swap = None
+    if args.ab:
+        import importlib.util
+
+        from paged_transformers.kernels._launch import load_triton_kernels
+
+        mod = load_triton_kernels("w4a16.wgmma_kernels", dev)
+        kernels = {None: mod._w4a16_wgmma_kernel}
+        for i, path in enumerate(args.ab.split(",")):
+            spec = importlib.util.spec_from_file_location(f"wgmma_kernels_ab{i}", path)
+            other = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(other)
+            kernels[path] = other._w4a16_wgmma_kernel
+
+        def swap(path: str | None) -> None:
+            mod._w4a16_wgmma_kernel = kernels[path]
+
     cands = QUICK if args.quick else CANDIDATES
+    if args.cands:
+        cands = [tuple(int(v) for v in c.split(",")) for c in args.cands.split(";")]
     report = {"device": torch.cuda.get_device_name(), "check": [], "sweep": []}
     K, N = 1024, 768  # correctness first, off the M grid, with split-K; fp16 x too
     layer = random_layer(K, N, 4, 128, dev)
     for M in (1, 70, 256):
-        for dt in (torch.bfloat16, torch.float16):
+        for dt in [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.check_dtypes.split(",")]:
             x = torch.randn(M, K, device=dev, dtype=dt)
             ref = w4a16_matmul_ref(x.float(), *layer, 4, 128)
             for cand in cands:
@@ -84,7 +108,8 @@ def main() -> None:
     for K, N in shapes:
         t_start = time.perf_counter()
         int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, dev)
-        for M in (64, 128, 256) if args.quick else (16, 32, 64, 128, 192, 256):
+        ms = (64, 128, 256) if args.quick else (16, 32, 64, 128, 192, 256)
+        for M in [int(m) for m in args.ms.split(",")] if args.ms else ms:
             xs = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
             row = dict(K=K, N=N, M=M, default=str(default_config(M, N, K, 128, dev)), variants=[])
             row["bf16_us"] = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
@@ -99,7 +124,18 @@ def main() -> None:
                     try:
                         err = rel_err(fn(0), ref)
                         assert err < 1e-2, f"rel_err {err:.3g}"
-                        row["variants"].append(dict(cfg=str(cfg), us=graph_time_ms(fn) * 1e3, rel_err=err))
+                        v = dict(cfg=str(cfg), us=graph_time_ms(fn) * 1e3, rel_err=err)
+                        for path in args.ab.split(",") if swap else []:
+                            swap(path)
+                            try:
+                                v.setdefault("ab", {})[path] = ab = {"rel_err": rel_err(fn(0), ref)}
+                                assert ab["rel_err"] < 1e-2, f"rel_err {ab['rel_err']:.3g}"
+                                ab["us"] = graph_time_ms(fn) * 1e3
+                            except Exception as e:  # noqa: BLE001
+                                ab["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                            finally:
+                                swap(None)
+                        row["variants"].append(v)
                     except Exception as e:  # noqa: BLE001
                         row["variants"].append(dict(cfg=str(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
             ok = [v for v in row["variants"] if "us" in v]
@@ -107,11 +143,14 @@ def main() -> None:
             report["sweep"].append(row)
             print(K, N, M, f"bf16 {row['bf16_us']:.1f} default {row['default_us']:.1f} ({row['default']}) best",
                   row["best"], flush=True)
+            for v in ok if swap else []:
+                others = ", ".join(f"{os.path.basename(p)} {a.get('us', float('nan')):7.1f}" for p, a in v["ab"].items())
+                print(f"    {v['cfg']:<32} {v['us']:7.1f} us; {others}", flush=True)
+            if args.out:  # after every row: a call cut at its time limit keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=1)
         del qsets, bsets
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
     print(f"{'K x N':>12} {'M':>4} {'bf16':>7} {'default':>8} {'x bf16':>7} {'best':>7} {'x bf16':>7}  default / best config")
     for r in report["sweep"]:
         b = r["best"] or {"us": float("nan"), "cfg": ""}
