@@ -24,7 +24,7 @@ mixed-input GEMMs: the weight never goes through shared memory after it is dequa
 The finished tile is moved (through shared memory, which the ring no longer needs) from wgmma's layout, where a
 thread's values of one row of ``out`` are single columns 8 apart, to one where each thread holds 8 consecutive
 columns (``_epilogue_layout``): every store of ``out`` and every split-K add into the fp32 workspace then moves 16
-bytes (2 and 4 before), and 256-row x tiles with split-K no longer spill registers.
+bytes, and the epilogue of 256-row x tiles with split-K fits in registers.
 
 Sources: the software pipeline over TMA and mbarriers and the async wgmma are CUTLASS's Hopper mainloop; the swap of
 A and B with the weight in registers is Machete's (vLLM); the LOP3 dequantization is Marlin's; the serial split-K is
