@@ -7,7 +7,7 @@
 #   profile   a decode step's kernels at 128 and 256 rows, bf16 then GPTQ (research/profile_decode.py), ~4 min
 #   w4a16     the W4A16 GEMM benchmark of record (`benchmarks/bench_w4a16.py --no-e2e`), ~2 min
 #   sweep     research/w4a16_wgmma.py at M = 128 and 256 over $CANDS (its --cands) for $SWEEP_S seconds (220), each
-#             config also with the kernel of the file $AB when set (its --ab), ~4 min
+#             config also with the kernel of each file of $AB (comma-separated) when set (its --ab), ~4 min
 #   ncu       Nsight Compute on the WGMMA kernel (research/gpu_ncu_wgmma.sh), ~3 min
 #   bash research/gpu_quantized.sh tests workload
 set -o pipefail

@@ -127,8 +127,9 @@ def main() -> None:
                         v = dict(cfg=str(cfg), us=graph_time_ms(fn) * 1e3, rel_err=err)
                         for path in args.ab.split(",") if swap else []:
                             swap(path)
+                            ab = v.setdefault("ab", {}).setdefault(path, {})
                             try:
-                                v.setdefault("ab", {})[path] = ab = {"rel_err": rel_err(fn(0), ref)}
+                                ab["rel_err"] = rel_err(fn(0), ref)
                                 assert ab["rel_err"] < 1e-2, f"rel_err {ab['rel_err']:.3g}"
                                 ab["us"] = graph_time_ms(fn) * 1e3
                             except Exception as e:  # noqa: BLE001
