@@ -11,6 +11,8 @@
 #   ncu       Nsight Compute on the WGMMA kernel (research/gpu_ncu_wgmma.sh), ~3 min
 #   bash research/gpu_quantized.sh tests workload
 set -o pipefail
+PARTS="${*:-tests workload w4a16}"
+for p in $PARTS; do case $p in tests|workload|profile|w4a16|sweep|ncu) ;; *) echo "unknown part $p"; exit 2 ;; esac; done
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-research/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2  # python3's pip: the image's `pip` is another Python's
@@ -20,7 +22,7 @@ bench() {  # name, then the command
   timeout 110 "$@" --output-json "$OUT/workload_$name.json" > "$OUT/log_bench_$name.txt" 2>&1
   echo "== bench $name rc=$? at ${SECONDS}s"; grep -E "^paged|GPU idle|KV:|batch-1|per token" "$OUT/log_bench_$name.txt"
 }
-for part in "${@:-tests workload w4a16}"; do for p in $part; do case $p in
+for p in $PARTS; do case $p in
 tests)
   if [ -d .fixtures ] && [ ! -d ../shared/fixtures ]; then mkdir -p ../shared && cp -r .fixtures ../shared/fixtures; fi
   timeout 330 python3 -m pytest -q -rs tests/test_w4a16_wgmma.py tests/test_w4a16.py tests/test_quantization.py \
@@ -48,6 +50,5 @@ sweep)
   echo "== sweep rc=$? at ${SECONDS}s"; grep -A40 "^ *K x N" "$OUT/log_sweep.txt" ;;
 ncu)
   bash research/gpu_ncu_wgmma.sh > "$OUT/log_ncu.txt" 2>&1; echo "== ncu rc=$? at ${SECONDS}s"; tail -40 "$OUT/log_ncu.txt" ;;
-*) echo "unknown part $p"; exit 2 ;;
-esac; done; done
+esac; done
 (cd "$OUT" && tar czf logs.tgz log_*.txt && rm -f log_*.txt)

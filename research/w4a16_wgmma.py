@@ -2,8 +2,8 @@
 the product's Gluon kernel (``kernels/w4a16/wgmma_kernels.py``) checked against ``w4a16_matmul_ref``, then timed on
 the shapes the engine runs (Llama-3-8B q|k|v 4096x6144, o 4096x4096, gate|up 4096x28672, down 14336x4096) at M =
 16-256, next to bf16 ``torch.matmul`` and the config ``default_config`` picks (us per call, CUDA-graph clock over
-weight sets of > 4x L2, as ``benchmarks/bench_w4a16.py``). Each shape gets an equal share of ``--budget-s``, its
-configs tried in the order below.
+weight sets of > 4x L2, as ``benchmarks/bench_w4a16.py``). Each (shape, M) row gets an equal share of
+``--budget-s``, its configs tried in the order below (the first always).
 
     python research/w4a16_wgmma.py --out $OUT/w4a16_wgmma.json            # GPU (Hopper)
     python research/w4a16_wgmma.py --quick --out ...                      # 5 configs, gate|up and down, M = 64-256
@@ -86,7 +86,7 @@ def main() -> None:
 
     cands = QUICK if args.quick else CANDIDATES
     if args.cands:
-        cands = [tuple(int(v) for v in c.split(",")) for c in args.cands.split(";")]
+        cands = [tuple(int(v) for v in c.split(",")) for c in args.cands.split(";") if c.strip()]
     report = {"device": torch.cuda.get_device_name(), "check": [], "sweep": []}
     K, N = 1024, 768  # correctness first, off the M grid, with split-K; fp16 x too
     layer = random_layer(K, N, 4, 128, dev)
@@ -105,19 +105,19 @@ def main() -> None:
     bad = [r for r in report["check"] if r.get("rel_err", 1.0) > 1e-2]
     print(f"check: {len(report['check'])} cases, {len(bad)} over 1e-2: {bad[:3]}", flush=True)
     shapes = [(4096, 28672), (14336, 4096)] if args.quick else [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else (64, 128, 256) if args.quick else (16, 32, 64, 128, 192, 256)
     for K, N in shapes:
-        t_start = time.perf_counter()
         int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, dev)
-        ms = (64, 128, 256) if args.quick else (16, 32, 64, 128, 192, 256)
-        for M in [int(m) for m in args.ms.split(",")] if args.ms else ms:
+        for M in ms:
+            t_start = time.perf_counter()  # each (shape, M) row an equal share of the budget
             xs = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(max(n_q, n_b))]
             row = dict(K=K, N=N, M=M, default=str(default_config(M, N, K, 128, dev)), variants=[])
             row["bf16_us"] = graph_time_ms(lambda i: torch.matmul(xs[i % len(xs)], bsets[i % n_b])) * 1e3
             row["default_us"] = graph_time_ms(lambda i: w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, 128)) * 1e3
             ref = w4a16_matmul_ref(xs[0].float(), *qsets[0], 4, 128)
-            for cand in cands:
-                if time.perf_counter() - t_start > args.budget_s / len(shapes):
-                    break
+            for n, cand in enumerate(cands):
+                if n and time.perf_counter() - t_start > args.budget_s / (len(shapes) * len(ms)):
+                    break  # (the first config always runs)
                 for split in splits_for(M, N, K, *cand[:3]):
                     cfg = config(cand, split)
                     fn = lambda i, cfg=cfg: w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, 128, config=cfg)

@@ -89,11 +89,13 @@ def _word_layout(BLOCK_N, TK, num_warps):
 @gluon.constexpr_function
 def _epilogue_layout(BLOCK_N, BLOCK_M, num_warps):
     """Layout of the ``[BLOCK_N, BLOCK_M]`` tile for its stores: 8 consecutive columns of ``out`` per thread (one
-    16-byte store in 16 bits, two 16-byte reductions in fp32), a warp's lanes along N first. It covers at most 16
+    16-byte store in 16 bits, two 16-byte reductions in fp32, where N and out's row stride are multiples of 16 as
+    Triton's divisibility hints see them; narrower otherwise), a warp's lanes along N first. It covers at most 16
     rows, so on the tiles ``wgmma_fits`` allows no thread holds a copy of another's values (the split-K adds must
-    happen once)."""
+    happen once; the assert refuses a tile where one would)."""
     tn = min(BLOCK_N // 8, 32)
     wn = min(BLOCK_N // (8 * tn), num_warps)
+    assert 8 * tn * wn <= BLOCK_N and 32 // tn * (num_warps // wn) <= BLOCK_M, "the layout would copy values"
     return gl.BlockedLayout([8, 1], [tn, 32 // tn], [wn, num_warps // wn], [0, 1])
 
 
