@@ -3,8 +3,8 @@
 The product's kernel (``kernels/w4a16/wgmma_kernels.py``) issues each K step's four TMA copies from the warps that
 dequantize and run wgmma. In its SASS (sm_90, Triton 3.6) that issue block is about 90 instructions per K step with
 six CTA-wide barriers (``BAR.SYNC``: Triton orders the copies after the step's shared-memory reads and after each
-other), out of about 290 instructions a warp issues per K step; a 64 x 128 x 64 wgmma takes about 256 cycles, so the
-loop is bound by what one warp per scheduler issues. Here one extra warp issues the copies (``gl.warp_specialize``,
+other), out of about 290 instructions a warp issues per K step, while the step's 64 x 128 x 64 of wgmma takes about
+256 tensor-core cycles: the loop is bound by instruction issue (BENCHMARKS.md, issue 23, fourth session). Here one extra warp issues the copies (``gl.warp_specialize``,
 CUTLASS's producer/consumer split) and waits on an "empty" mbarrier per ring slot; the warps of the default partition
 only wait on the "ready" mbarriers, dequantize and run wgmma, and free a slot (fence, then arrive on its empty
 mbarrier) once the wgmma that read it is done. The dequantization, the TMA copies and the epilogue are the product's
