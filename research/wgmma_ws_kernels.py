@@ -19,7 +19,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from paged_transformers.kernels.w4a16.wgmma_kernels import _barrier, _dequant, _issue_copies, _word_layout, _write_out
+from paged_transformers.kernels.w4a16 import W4A16Algo, W4A16Config
+from paged_transformers.kernels.w4a16.dispatch import _HOPPER_SMEM_BYTES, _wgmma_smem_bytes
+from paged_transformers.kernels.w4a16.wgmma_kernels import (
+    _allocate_ring,
+    _barrier,
+    _dequant,
+    _issue_copies,
+    _program_tile,
+    _word_layout,
+    _write_out,
+)
 
 
 @gluon.jit
@@ -85,19 +95,8 @@ def _w4a16_wgmma_ws_kernel(
 ):  # fmt: skip
     """The product kernel's contract (``wgmma_kernels._w4a16_wgmma_kernel``), its copies issued by a producer warp."""
     DT: gl.constexpr = x_desc.dtype
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BLOCK_M)
-    off_m = (pid % num_m) * BLOCK_M
-    off_n = (pid // num_m) * BLOCK_N
-    k_len = K // SPLIT_K
-    k_begin = gl.program_id(1) * k_len
-    n_steps = k_len // BLOCK_K
-
-    TK: gl.constexpr = BLOCK_K // 8
-    x_smem = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, TK, BLOCK_N], p_desc.layout)
-    s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, BLOCK_N], s_desc.layout)
-    z_smem = gl.allocate_shared_memory(gl.int16, [STAGES, 1, BLOCK_N], z_desc.layout)
+    off_m, off_n, k_begin, n_steps = _program_tile(M, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
+    x_smem, p_smem, s_smem, z_smem = _allocate_ring(x_desc, p_desc, s_desc, z_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -128,8 +127,9 @@ class _WithRegisterLimit:
 
     def __getitem__(self, grid):
         def launch(*args, num_warps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, **kwargs):
-            ring = STAGES * (BLOCK_M * BLOCK_K * 2 + BLOCK_K // 8 * BLOCK_N * 4 + BLOCK_N * 6 + 16)
-            registers = 32768 if num_warps == 4 and 2 * ring <= 227 * 1024 else 65536
+            ring = _wgmma_smem_bytes(W4A16Config(BLOCK_M, BLOCK_N, BLOCK_K, 1, num_warps, STAGES, W4A16Algo.WGMMA))
+            ring += STAGES * 8  # the empty mbarriers
+            registers = 32768 if num_warps == 4 and 2 * ring <= _HOPPER_SMEM_BYTES else 65536
             maxnreg = min(256, registers // (32 * (num_warps + 4)) // 8 * 8)
             return self.kernel[grid](*args, num_warps=num_warps, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                      STAGES=STAGES, maxnreg=maxnreg, **kwargs)

@@ -197,6 +197,28 @@ def _write_out(acc, bias_ptr, out_ptr, ws_ptr, lock_ptr, off_m, off_n, M, N, str
 
 
 @gluon.jit
+def _program_tile(M, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr):
+    """This program's output tile and K slice: ``(off_m, off_n, k_begin, n_steps)``; tiles N-major (the M tiles of
+    one weight tile run next to each other, so it is read from HBM once), ``program_id(1)`` the K slice."""
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BLOCK_M)
+    k_len = K // SPLIT_K
+    return (pid % num_m) * BLOCK_M, (pid // num_m) * BLOCK_N, gl.program_id(1) * k_len, k_len // BLOCK_K
+
+
+@gluon.jit
+def _allocate_ring(x_desc, p_desc, s_desc, z_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The ``STAGES``-deep ring of the TMA copies: x ``[BLOCK_M, BLOCK_K]``, packed words ``[BLOCK_K // 8, BLOCK_N]``,
+    a row of scales and of zero points per slot, in the descriptors' shared layouts."""
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_K // 8, BLOCK_N], p_desc.layout)
+    s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, BLOCK_N], s_desc.layout)
+    z_smem = gl.allocate_shared_memory(gl.int16, [STAGES, 1, BLOCK_N], z_desc.layout)
+    return x_smem, p_smem, s_smem, z_smem
+
+
+@gluon.jit
 def _w4a16_wgmma_kernel(
     x_desc,  # TMA descriptor of x [M, K] bf16/fp16, block [BLOCK_M, BLOCK_K]
     p_desc,  # of qweight int32 [K // 8, N] (4-bit, the package layout), block [BLOCK_K // 8, BLOCK_N]
@@ -219,23 +241,13 @@ def _w4a16_wgmma_kernel(
     equal K slices. The host guarantees ``K % (BLOCK_K * SPLIT_K) == 0`` with at least 2 steps per slice; rows past M
     and columns past N read as 0 and are not stored."""
     DT: gl.constexpr = x_desc.dtype
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BLOCK_M)
-    off_m = (pid % num_m) * BLOCK_M
-    off_n = (pid // num_m) * BLOCK_N
-    k_len = K // SPLIT_K
-    k_begin = gl.program_id(1) * k_len
-    n_steps = k_len // BLOCK_K
+    off_m, off_n, k_begin, n_steps = _program_tile(M, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
 
-    TK: gl.constexpr = BLOCK_K // 8
-    L3: gl.constexpr = _word_layout(BLOCK_N, TK, num_warps)
+    L3: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K // 8, num_warps)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    x_smem = gl.allocate_shared_memory(DT, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    p_smem = gl.allocate_shared_memory(gl.int32, [STAGES, TK, BLOCK_N], p_desc.layout)
-    s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, BLOCK_N], s_desc.layout)
-    z_smem = gl.allocate_shared_memory(gl.int16, [STAGES, 1, BLOCK_N], z_desc.layout)
+    x_smem, p_smem, s_smem, z_smem = _allocate_ring(x_desc, p_desc, s_desc, z_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
