@@ -290,6 +290,28 @@ def test_edges_match_reference(M, N, K, group, dtype, scales_dtype, bias, cfg):
 
 
 @needs_hopper
+@pytest.mark.parametrize("dtype,scales_dtype", [(torch.bfloat16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                                                (torch.float16, torch.bfloat16)])
+def test_dequantized_weight_is_exact(dtype, scales_dtype):
+    """x = I makes out the kernel's dequantized weight (one product per output, accumulated in fp32): it must be the
+    reference's exact ``(q - z) * s`` rounded once to x's dtype, bit for bit, over scales of every magnitude and both
+    signs and every 4-bit zero point (GPTQ's stored ``z - 1`` unpacks to at most 16)."""
+    g = torch.Generator().manual_seed(1)
+    K, N, group = 256, 512, 64
+    q = torch.randint(0, 16, (K, N), generator=g, dtype=torch.int32)
+    mag = torch.exp2(torch.rand(K // group, N, generator=g) * 24 - 14)  # 2^-14 .. 2^10: (q - z) * s stays finite
+    sign = torch.where(torch.rand(K // group, N, generator=g) < 0.5, -1.0, 1.0)
+    scales = (mag * sign).to(scales_dtype).to(CUDA)
+    zeros = torch.randint(0, 17, (K // group, N), generator=g).to(torch.int16).to(CUDA)
+    qweight = k.pack_rows(q, 4).to(CUDA)
+    x = torch.eye(K, device=CUDA, dtype=dtype)
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group, config=k.W4A16Config(128, 64, 64, 1, 4, 3, A.WGMMA))
+    ref = k.dequantize_packed(qweight, scales, zeros, 4, group).to(dtype)
+    assert torch.equal(out, ref), int((out != ref).sum())
+
+
+@needs_hopper
 def test_unaligned_x_view_is_copied():
     qweight, scales, zeros = _layer(256, 128, 128)
     base = torch.randn(64 * 256 + 1, device=CUDA, dtype=torch.bfloat16)

@@ -15,10 +15,11 @@ mixed-input GEMMs: the weight never goes through shared memory after it is dequa
    lane % 4). In the package's layout (int32 word ``w`` of a column holds ``k = 8w .. 8w + 7``) those are byte ``c``
    of every word of its rows, so each thread reads its rows' words (the 4 threads of a quad read the same word) and
    turns byte ``c`` into 2 values with one LOP3 pair (FasterTransformer / Marlin's magic numbers give ``q - z``
-   exactly), then ``(q - z) * s`` in ``x.dtype``, rounded as ``w4a16_matmul_ref`` rounds (once for fp16 / bf16
-   scales, whose product with ``q - z`` is exact in fp32; an fp32 scale's product is rounded to fp32 first, as
-   there). No repack of ``qweight`` is needed; ``convert_layout(..., assert_trivial=True)`` checks at compile time
-   that the values come out in the A layout;
+   exactly), then ``(q - z) * s`` in ``x.dtype``, rounded once as ``w4a16_matmul_ref`` rounds: one ``mul.rn`` where
+   the scale is in x's dtype; for bf16 x with fp16 scales (GPTQ / AWQ on a bf16 model) the scale splits into two
+   bf16 parts, and a bf16x2 ``mul`` and ``fma`` round the exact product (``_pair_asm``); other scales multiply in
+   fp32 (an fp32 scale's product is rounded to fp32 first, as there). No repack of ``qweight`` is needed;
+   ``convert_layout(..., assert_trivial=True)`` checks at compile time that the values come out in the A layout;
 3. issues wgmma ``i``. Even and odd steps use two register sets, so wgmma ``i`` queues behind wgmma ``i - 1``.
 
 The finished tile is moved (through shared memory, which the ring no longer needs) from wgmma's layout, where a
@@ -46,20 +47,29 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
-def _pair_asm(magic_bits: int, out: str, fp32_scale: bool) -> str:
+def _pair_asm(magic_bits: int, out: str, scale: str) -> str:
     """PTX: int32 word ``$2`` (8 four-bit fields, low first), prmt selector ``$3`` = ``c | (4 + c) << 8``, ``$4`` =
-    ``B + z`` in both 16-bit halves (``B`` the magic number of ``out``: 128 for bf16, 1024 for fp16), ``$5`` the fp32
-    scale -> ``$0, $1`` = fields ``2c, 2c + 1`` as ``(q - z) * s`` in ``out`` ("bf16" / "f16"): the product in fp32
-    (exact for a 16-bit scale), then rounded to ``out``, when ``fp32_scale``; else (fp16 out, fp16 scale) one
-    ``mul.rn.f16x2``, the same single rounding."""
+    ``B + z`` in both 16-bit halves (``B`` the magic number of ``out``: 128 for bf16, 1024 for fp16), then the scale
+    -> ``$0, $1`` = fields ``2c, 2c + 1`` as ``(q - z) * s`` in ``out`` ("bf16" / "f16"), the exact product rounded
+    once, as ``w4a16_matmul_ref`` rounds. ``scale``:
+
+    - ``"x2"``: ``$5`` = ``s`` in both halves, already in ``out`` (fp16 scale and x, or bf16 both): one ``mul.rn``.
+    - ``"split"``: bf16 ``out``, fp16 ``s`` = ``s_hi + s_lo`` in bf16 exactly (``s_lo`` has at most 2 significant
+      bits); ``$5`` = ``s_hi``, ``$6`` = ``s_lo`` in both halves. ``p = (q - z) * s_lo`` is exact, then
+      ``fma((q - z), s_hi, p)`` rounds the exact product once: three bf16x2 instructions instead of the fp32 round
+      trip (checked exhaustively over every fp16 scale for ``-89 <= q - z <= 15``; 4-bit zero points are at most 16).
+    - ``"f32"``: ``$5`` = the fp32 scale; the product in fp32 (exact for a 16-bit scale), rounded to ``out``.
+    """
     pair = magic_bits * 0x10001
-    lines = ["{", ".reg .b32 sh, t, lo, hi;", ".reg .b16 l16, h16, s16;", ".reg .b32 sp;",
+    lines = ["{", ".reg .b32 sh, t, lo, hi;", ".reg .b16 l16, h16;",
              # byte 0 <- byte c of the word (field 2c low), byte 2 <- byte c of word >> 4 (field 2c + 1 low)
              "shr.u32 sh, $2, 4;", "prmt.b32 t, $2, sh, $3;",
              f"lop3.b32 t, t, 0x000F000F, {pair:#010x}, 0xEA;",  # (t & 0xF000F) | B pair: B + q in each half
              f"sub.{out}x2 t, t, $4;"]  # exact: q - z, both halves
-    if not fp32_scale:
-        lines += ["cvt.rn.f16.f32 s16, $5;", "mov.b32 sp, {s16, s16};", "mul.rn.f16x2 t, t, sp;"]
+    if scale == "x2":
+        lines += [f"mul.rn.{out}x2 t, t, $5;"]
+    elif scale == "split":
+        lines += ["mul.rn.bf16x2 lo, t, $6;", "fma.rn.bf16x2 t, t, $5, lo;"]
     else:
         if out == "bf16":  # bf16 -> fp32 is a 16-bit shift
             lines += ["shl.b32 lo, t, 16;", "and.b32 hi, t, 0xFFFF0000;"]
@@ -69,9 +79,18 @@ def _pair_asm(magic_bits: int, out: str, fp32_scale: bool) -> str:
     return "\n".join(lines + ["mov.b32 {$0, $1}, t;", "}"])
 
 
-_ASM_BF16 = gl.constexpr(_pair_asm(0x4300, "bf16", fp32_scale=True))
-_ASM_FP16 = gl.constexpr(_pair_asm(0x6400, "f16", fp32_scale=False))
-_ASM_FP16_FP32_SCALE = gl.constexpr(_pair_asm(0x6400, "f16", fp32_scale=True))
+_ASM_BF16_X2 = gl.constexpr(_pair_asm(0x4300, "bf16", "x2"))
+_ASM_BF16_SPLIT = gl.constexpr(_pair_asm(0x4300, "bf16", "split"))
+_ASM_BF16_F32 = gl.constexpr(_pair_asm(0x4300, "bf16", "f32"))
+_ASM_FP16_X2 = gl.constexpr(_pair_asm(0x6400, "f16", "x2"))
+_ASM_FP16_F32 = gl.constexpr(_pair_asm(0x6400, "f16", "f32"))
+
+
+@gluon.jit
+def _half_pair(v, DT: gl.constexpr):
+    """int32 holding ``v`` (any float, rounded to nearest even in ``DT``) in both 16-bit halves."""
+    b = v.to(DT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return b | (b << 16)
 
 
 @gluon.constexpr_function
@@ -122,21 +141,31 @@ def _dequant(p_smem, s_smem, z_smem, slot, DT: gl.constexpr, S_DT: gl.constexpr,
     p = pbuf.load(L2)  # int32 [BLOCK_N, TK], each word read by the 4 threads of a quad
     gl.static_assert(gl.bank_conflicts(p.type, pbuf.type) == 0)
     p = gl.expand_dims(p, 2)  # [BLOCK_N, TK, 1]
-    sv = gl.expand_dims(s_smem.index(slot).permute((1, 0)).load(L2).to(gl.float32), 2)  # [BLOCK_N, 1, 1]
+    sv = gl.expand_dims(s_smem.index(slot).permute((1, 0)).load(L2), 2)  # [BLOCK_N, 1, 1] in S_DT
     zv = gl.expand_dims(z_smem.index(slot).permute((1, 0)).load(L2).to(gl.int32), 2)
     zb = zv | MAGIC_BITS  # B + z in DT (0 <= z < 128, B's low mantissa bits are zero): integer ops, no I2F
     zpair = zb | (zb << 16)
     c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
     sel = gl.expand_dims(gl.expand_dims(c | ((c + 4) << 8), 0), 0)  # [1, 1, 4]
-    if DT == gl.bfloat16:
-        f = gl.inline_asm_elementwise(_ASM_BF16, "=h,=h,r,r,r,r", [p, sel, zpair, sv], (gl.bfloat16,) * 2,
+    if DT == gl.bfloat16 and S_DT == gl.bfloat16:
+        f = gl.inline_asm_elementwise(_ASM_BF16_X2, "=h,=h,r,r,r,r", [p, sel, zpair, _half_pair(sv, DT)],
+                                      (gl.bfloat16,) * 2, is_pure=True, pack=1)
+    elif DT == gl.bfloat16 and S_DT == gl.float16:
+        s32 = sv.to(gl.float32)
+        s_hi = s32.to(gl.bfloat16)
+        s_lo = s32 - s_hi.to(gl.float32)  # exact in fp32, and in bf16
+        f = gl.inline_asm_elementwise(_ASM_BF16_SPLIT, "=h,=h,r,r,r,r,r",
+                                      [p, sel, zpair, _half_pair(s_hi, DT), _half_pair(s_lo, DT)], (gl.bfloat16,) * 2,
                                       is_pure=True, pack=1)
+    elif DT == gl.bfloat16:
+        f = gl.inline_asm_elementwise(_ASM_BF16_F32, "=h,=h,r,r,r,r", [p, sel, zpair, sv.to(gl.float32)],
+                                      (gl.bfloat16,) * 2, is_pure=True, pack=1)
     elif S_DT == gl.float16:
-        f = gl.inline_asm_elementwise(_ASM_FP16, "=h,=h,r,r,r,r", [p, sel, zpair, sv], (gl.float16,) * 2,
-                                      is_pure=True, pack=1)
+        f = gl.inline_asm_elementwise(_ASM_FP16_X2, "=h,=h,r,r,r,r", [p, sel, zpair, _half_pair(sv, DT)],
+                                      (gl.float16,) * 2, is_pure=True, pack=1)
     else:
-        f = gl.inline_asm_elementwise(_ASM_FP16_FP32_SCALE, "=h,=h,r,r,r,r", [p, sel, zpair, sv], (gl.float16,) * 2,
-                                      is_pure=True, pack=1)
+        f = gl.inline_asm_elementwise(_ASM_FP16_F32, "=h,=h,r,r,r,r", [p, sel, zpair, sv.to(gl.float32)],
+                                      (gl.float16,) * 2, is_pure=True, pack=1)
     w = gl.reshape(gl.join(f[0], f[1]), [BLOCK_N, BLOCK_K])  # [n, word, c, e] -> k = 8 word + 2c + e
     return gl.convert_layout(w, A, assert_trivial=True)
 
