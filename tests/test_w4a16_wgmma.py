@@ -130,6 +130,28 @@ def test_compiles_pipelined_for_sm90(case, compiled):
     assert writes and all(w.startswith("STG.E.128") or "F32x4" in w for w in writes), sorted(set(writes))
 
 
+def _round_bf16(v: torch.Tensor) -> torch.Tensor:
+    """float64 -> the nearest bf16 value (ties to even), exactly, as float64 (no double rounding through fp32)."""
+    m, e = torch.frexp(v)
+    return torch.ldexp(torch.round(m * 256.0), (e - 8).to(torch.float64))
+
+
+def test_split_scale_product_rounds_once():
+    # the "split" dequantization (bf16 x, fp16 scales) in exact arithmetic: s = s_hi + s_lo with both in bf16, then
+    # fma((q - z), s_hi, round((q - z) * s_lo)) rounded once must be the exact product rounded once, for every finite
+    # fp16 scale and every q - z of 4-bit fields and zero points (z <= 16)
+    s16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    s = s16[torch.isfinite(s16)].to(torch.float64)
+    s_hi = _round_bf16(s)
+    s_lo = s - s_hi
+    assert torch.equal(_round_bf16(s_lo), s_lo)  # s_lo is a bf16 value
+    assert torch.equal(s_hi, s16[torch.isfinite(s16)].to(torch.bfloat16).to(torch.float64))  # as the kernel's cast
+    for d in range(-16, 16):
+        ref = _round_bf16(d * s)
+        assert torch.equal(_round_bf16(d * s_hi + _round_bf16(d * s_lo)), ref), d
+    assert not torch.equal(_round_bf16(7 * s_hi), _round_bf16(7 * s))  # without s_lo it differs
+
+
 def test_compile_catches_a_layout_that_is_not_wgmmas(tmp_path):
     if not dispatch.has_gluon():
         pytest.skip("needs triton >= 3.6 (Gluon), which WGMMA is written against")
