@@ -130,7 +130,8 @@ RULES = (
     Rule(33, 64, (WIDE,), _tile("wgmma", 64, 128, 64, 4, 4), 0),
     # at M = 128: 67.6 us vs bf16 85.4, previous 71.6
     Rule(65, 128, (WIDE,), _tile("wgmma", 128, 128, 64, 4, 4), 0),
-    # at M = 192 / 256: 114.2 / 118.5 us vs bf16 92.9 / 99.2, previous 133.4 / 138.7
+    # at M = 192 / 256: 114.2 / 118.5 us vs bf16 92.9 / 99.2, previous 133.4 / 138.7; 111.3 vs bf16 98.8 at M = 256 with
+    # the 16-byte epilogue and the split-scale dequantization (issue 23, 2026-12-07)
     Rule(129, 256, (WIDE,), _tile("wgmma", 256, 128, 64, 8, 4), 0),
     # 14336 x 4096 (down) at M = 32 / 64: 24.5 / 30.1 us vs bf16 44.2 / 45.8, previous 29.3 / 34.9; block_k = 64:
     # 28.3 / 32.0
@@ -138,9 +139,11 @@ RULES = (
     Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=8), 0),
     Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 128, 4, 4, split_k=4), 0),
     Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=8), 0),
-    # at M = 128 / 192 / 256: 46.3 / 75.1 / 79.7 us vs bf16 52.3 / 76.1 / 58.6, previous 48.1 / 74.8 / 80.3
+    # at M = 128: 46.3 us vs bf16 52.3, previous 48.1; 43.4 vs bf16 53.2 on 2026-12-07
     Rule(65, 128, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=4), 0),
-    Rule(129, 256, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=2), 0),
+    # at M = 256 (2026-12-07): 69.0 us vs bf16 58.4; 128-row x tiles, split 2 (the rule before): 74.9; the epilogue
+    # of 256-row tiles with split-K no longer spills
+    Rule(129, 256, (TALL,), _tile("wgmma", 256, 64, 64, 4, 4, split_k=2), 0),
     # 4096 x 6144 (q|k|v) / 4096 x 4096 (o) at M = 32: 14.4 / 12.6 us vs bf16 21.0 / 14.3, previous 18.6 / 15.1;
     # block_k = 64: 15.8 / 13.9
     Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=4), 0),
