@@ -12,6 +12,13 @@ own functions.
 
 ``_w4a16_wgmma_kernel`` here takes the product kernel's arguments and launches with ``maxnreg`` set, so
 ``research/w4a16_wgmma.py --ab research/wgmma_ws_kernels.py`` times it against the product's in one process.
+
+Measured (H100, 2026-12-07, BENCHMARKS.md issue 23): equal to the reference as the product's kernel is (bf16, every
+config of the sweep), and its best config 8-22% faster than the product kernel's best among the same candidates on
+every engine shape at M = 128 and 256 (``benchmarks/results/w4a16_wgmma_h100_2026-12-07_ab.json``); gate|up at M =
+128 keeps the product's 128x128x64 rule (59.2 us), a tile the candidates did not include.
+``research/wgmma_ws_product.diff`` moves it into the product; it waits for the CUDA tests, the fixtures' goldens and
+the workload of record to run on it.
 """
 
 from triton.experimental import gluon
