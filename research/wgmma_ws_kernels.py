@@ -18,7 +18,8 @@ config of the sweep), and its best config 8-22% faster than the product kernel's
 every engine shape at M = 128 and 256 (``benchmarks/results/w4a16_wgmma_h100_2026-12-07_ab.json``); gate|up at M =
 128 keeps the product's 128x128x64 rule (59.2 us), a tile the candidates did not include.
 ``research/wgmma_ws_product.diff`` moves it into the product; it waits for the CUDA tests, the fixtures' goldens and
-the workload of record to run on it.
+the workload of record to run on it, and for timings at M = 32 and 64 (its ``maxnreg`` allows two programs an SM,
+where the product's small-M tiles fit four or more).
 """
 
 from triton.experimental import gluon

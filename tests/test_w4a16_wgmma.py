@@ -316,9 +316,10 @@ def test_edges_match_reference(M, N, K, group, dtype, scales_dtype, bias, cfg):
                                                 (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
                                                 (torch.float16, torch.bfloat16)])
 def test_dequantized_weight_is_exact(dtype, scales_dtype):
-    """x = I makes out the kernel's dequantized weight (one product per output, accumulated in fp32): it must be the
-    reference's exact ``(q - z) * s`` rounded once to x's dtype, bit for bit, over scales of every magnitude and both
-    signs and every 4-bit zero point (GPTQ's stored ``z - 1`` unpacks to at most 16)."""
+    """x = I makes out the kernel's dequantized weight (one product per output, accumulated in fp32): it must equal
+    the reference's exact ``(q - z) * s`` rounded once to x's dtype (``torch.equal``: +0 and -0 compare equal) over
+    scales of both signs from 2^-14 to 2^10 and every 4-bit zero point (GPTQ's stored ``z - 1`` unpacks to at most
+    16)."""
     g = torch.Generator().manual_seed(1)
     K, N, group = 256, 512, 64
     q = torch.randint(0, 16, (K, N), generator=g, dtype=torch.int32)

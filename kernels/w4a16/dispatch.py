@@ -142,7 +142,7 @@ RULES = (
     # at M = 128: 46.3 us vs bf16 52.3, previous 48.1; 43.4 vs bf16 53.2 on 2026-12-07
     Rule(65, 128, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=4), 0),
     # at M = 256 (2026-12-07): 69.0 us vs bf16 58.4; 128-row x tiles, split 2 (the rule before): 74.9; the epilogue
-    # of 256-row tiles with split-K no longer spills
+    # of 256-row tiles with split-K no longer spills (at M = 129-256 both tile heights compute 256 rows of x)
     Rule(129, 256, (TALL,), _tile("wgmma", 256, 64, 64, 4, 4, split_k=2), 0),
     # 4096 x 6144 (q|k|v) / 4096 x 4096 (o) at M = 32: 14.4 / 12.6 us vs bf16 21.0 / 14.3, previous 18.6 / 15.1;
     # block_k = 64: 15.8 / 13.9

@@ -58,6 +58,7 @@ def _pair_asm(magic_bits: int, out: str, scale: str) -> str:
       bits); ``$5`` = ``s_hi``, ``$6`` = ``s_lo`` in both halves. ``p = (q - z) * s_lo`` is exact, then
       ``fma((q - z), s_hi, p)`` rounds the exact product once: three bf16x2 instructions instead of the fp32 round
       trip (checked exhaustively over every fp16 scale for ``-89 <= q - z <= 15``; 4-bit zero points are at most 16).
+      A zero product may come out as +0 where the reference has -0.
     - ``"f32"``: ``$5`` = the fp32 scale; the product in fp32 (exact for a 16-bit scale), rounded to ``out``.
     """
     pair = magic_bits * 0x10001
