@@ -4,11 +4,11 @@ The product's kernel (``kernels/w4a16/wgmma_kernels.py``) issues each K step's f
 dequantize and run wgmma. In its SASS (sm_90, Triton 3.6) that issue block is about 90 instructions per K step with
 six CTA-wide barriers (``BAR.SYNC``: Triton orders the copies after the step's shared-memory reads and after each
 other), out of about 290 instructions a warp issues per K step, while the step's 64 x 128 x 64 of wgmma takes about
-256 tensor-core cycles: the loop is bound by instruction issue (BENCHMARKS.md, issue 23, fourth session). Here one extra warp issues the copies (``gl.warp_specialize``,
-CUTLASS's producer/consumer split) and waits on an "empty" mbarrier per ring slot; the warps of the default partition
-only wait on the "ready" mbarriers, dequantize and run wgmma, and free a slot (fence, then arrive on its empty
-mbarrier) once the wgmma that read it is done. The dequantization, the TMA copies and the epilogue are the product's
-own functions.
+256 tensor-core cycles: the loop is bound by instruction issue (BENCHMARKS.md, issue 23, fourth session). Here one
+extra warp issues the copies (``gl.warp_specialize``, CUTLASS's producer/consumer split) and waits on an "empty"
+mbarrier per ring slot; the warps of the default partition only wait on the "ready" mbarriers, dequantize and run
+wgmma, and free a slot (fence, then arrive on its empty mbarrier) once the wgmma that read it is done. The
+dequantization, the TMA copies and the epilogue are the product's own functions.
 
 ``_w4a16_wgmma_kernel`` here takes the product kernel's arguments and launches with ``maxnreg`` set, so
 ``research/w4a16_wgmma.py --ab research/wgmma_ws_kernels.py`` times it against the product's in one process.
