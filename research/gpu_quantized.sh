@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue 23 in device calls of < 10 min. Parts, run in the order given (default: tests workload w4a16):
 #   tests     the W4A16 CUDA tests (the WGMMA kernel against the reference; the fixtures' goldens when a copy of
-#             ../shared/fixtures' tiny models travels as .fixtures/, which is put in place first), ~2 min
+#             ../shared/fixtures' tiny models travels as .fixtures/, which is put in place first), ~4-5 min
 #   workload  the workload of record (`paged-transformers bench`, with batch-1 decode) for $WORKLOADS (default bf16
 #             gptq awq), ~5 min
 #   profile   a decode step's kernels at 128 and 256 rows, bf16 then GPTQ (research/profile_decode.py), ~4 min
 #   w4a16     the W4A16 GEMM benchmark of record (`benchmarks/bench_w4a16.py --no-e2e`), ~2 min
-#   sweep     research/w4a16_wgmma.py at M = 128 and 256 over $CANDS (its --cands) for $SWEEP_S seconds (220), each
+#   sweep     research/w4a16_wgmma.py at M = $MS (128,256) over $CANDS (its --cands) for $SWEEP_S seconds (220), each
 #             config also with the kernel of each file of $AB (comma-separated) when set (its --ab), ~4 min
 #   ncu       Nsight Compute on the WGMMA kernel (research/gpu_ncu_wgmma.sh), ~3 min
 #   bash research/gpu_quantized.sh tests workload
@@ -25,7 +25,7 @@ bench() {  # name, then the command
 for p in $PARTS; do case $p in
 tests)
   if [ -d .fixtures ] && [ ! -d ../shared/fixtures ]; then mkdir -p ../shared && cp -r .fixtures ../shared/fixtures; fi
-  timeout 330 python3 -m pytest -q -rs tests/test_w4a16_wgmma.py tests/test_w4a16.py tests/test_quantization.py \
+  timeout 420 python3 -m pytest -q -rs tests/test_w4a16_wgmma.py tests/test_w4a16.py tests/test_quantization.py \
       -k "not smollm2" > "$OUT/log_pytest.txt" 2>&1
   echo "== pytest rc=$? at ${SECONDS}s"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/log_pytest.txt" | tail -12 ;;
 workload)
@@ -45,7 +45,7 @@ w4a16)
   timeout 150 python3 benchmarks/bench_w4a16.py --no-e2e --out "$OUT/w4a16.json" > "$OUT/log_w4a16.txt" 2>&1
   echo "== bench_w4a16 rc=$? at ${SECONDS}s"; tail -25 "$OUT/log_w4a16.txt" ;;
 sweep)
-  timeout 280 python3 research/w4a16_wgmma.py --ms 128,256 --budget-s ${SWEEP_S:-220} ${CANDS:+--cands "$CANDS"} ${AB:+--ab "$AB" --check-dtypes bf16} \
+  timeout 280 python3 research/w4a16_wgmma.py --ms ${MS:-128,256} --budget-s ${SWEEP_S:-220} ${CANDS:+--cands "$CANDS"} ${AB:+--ab "$AB" --check-dtypes bf16} \
       --out "$OUT/w4a16_wgmma.json" > "$OUT/log_sweep.txt" 2>&1
   echo "== sweep rc=$? at ${SECONDS}s"; grep -A40 "^ *K x N" "$OUT/log_sweep.txt" ;;
 ncu)

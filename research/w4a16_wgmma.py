@@ -13,7 +13,8 @@ memory (cp.async copies, then TMA; Nsight Compute found 4-way bank conflicts on 
 points, both fixed); it is in git at commit 1771266. A ``FAST`` variant of it, the fp16 scale rounded to bf16 and one
 ``mul.bf16x2`` per pair (two roundings), was 2-19% faster on gate|up and down; the product keeps one rounding, as
 ``w4a16_matmul_ref`` (commit 305a187). The kernel that replaced it, the weight as wgmma's register operand, was
-first written and compared in ``research/wgmma_rs_kernels.py`` / ``research/w4a16_wgmma_rs.py`` (commit 2e5ed42).
+first written and compared in ``research/wgmma_rs_kernels.py`` / ``research/w4a16_wgmma_rs.py`` (commit 2e5ed42); its
+producer warp in ``research/wgmma_ws_kernels.py`` (commit 0c825c4).
 """
 
 import argparse
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--check-dtypes", default="bf16,fp16", help="x dtypes of the correctness check (bf16, fp16)")
     ap.add_argument("--ab", default=None,
                     help="comma-separated copies of wgmma_kernels.py (e.g. `git show COMMIT:kernels/w4a16/"
-                         "wgmma_kernels.py`) or research kernels of the same contract (research/wgmma_ws_kernels.py): "
+                         "wgmma_kernels.py`; one without a producer warp launches without maxnreg, as it did): "
                          "every variant is also timed with each one's kernel, in the same process ('ab')")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -73,16 +74,21 @@ def main() -> None:
 
         from paged_transformers.kernels._launch import load_triton_kernels
 
+        from paged_transformers.kernels.w4a16 import matmul as matmul_mod
+
         mod = load_triton_kernels("w4a16.wgmma_kernels", dev)
-        kernels = {None: mod._w4a16_wgmma_kernel}
+        product_maxnreg = matmul_mod.wgmma_maxnreg
+        kernels = {None: (mod._w4a16_wgmma_kernel, product_maxnreg)}
         for i, path in enumerate(args.ab.split(",")):
             spec = importlib.util.spec_from_file_location(f"wgmma_kernels_ab{i}", path)
             other = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(other)
-            kernels[path] = other._w4a16_wgmma_kernel
+            with open(path) as f:  # a kernel without a producer warp launches as it did: no maxnreg
+                ws = "warp_specialize" in f.read()
+            kernels[path] = (other._w4a16_wgmma_kernel, product_maxnreg if ws else lambda cfg: None)
 
         def swap(path: str | None) -> None:
-            mod._w4a16_wgmma_kernel = kernels[path]
+            mod._w4a16_wgmma_kernel, matmul_mod.wgmma_maxnreg = kernels[path]
 
     cands = QUICK if args.quick else CANDIDATES
     if args.cands:

@@ -59,7 +59,8 @@ def compile_sm90(cfg: k.W4A16Config, dtype: str, scales_dtype: str = "fp16", bia
     src = GluonASTSource(wk._w4a16_wgmma_kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]]
                                 for n in ("bias_ptr", "out_ptr", "ws_ptr", "lock_ptr", "N", "K", "stride_om")})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "maxnreg": dispatch.wgmma_maxnreg(cfg)})
     ptxas = get_ptxas(90).path  # the ptxas triton itself uses
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.ptx"), "w") as f:

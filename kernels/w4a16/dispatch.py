@@ -190,7 +190,16 @@ def _wgmma_smem_bytes(config: W4A16Config) -> int:
     """Shared memory of the WGMMA kernel's ring (bytes): per stage the x tile ``[block_m, block_k]`` (16-bit), the
     packed words ``[block_k // 8, block_n]`` (int32), a row of scales (at most fp32) and of zero points (int16)."""
     per_stage = config.block_m * config.block_k * 2 + config.block_k // 8 * config.block_n * 4 + config.block_n * 6
-    return config.num_stages * (per_stage + 8)  # + its mbarrier
+    return config.num_stages * (per_stage + 16)  # + its "ready" and "empty" mbarriers
+
+
+def wgmma_maxnreg(config: W4A16Config) -> int:
+    """Registers a thread (``maxnreg``) the WGMMA kernel launches with: its ``num_warps`` warps of the default
+    partition and the producer's warpgroup (4 warps, of which one runs; the rest keep 24 registers a thread) share
+    the 65,536 registers of an SM, or half of them where 4 warps' ring fits twice in shared memory (two programs an
+    SM). At most 256, in steps of 8; ``warp_specialize`` then gives the default partition what the producer leaves."""
+    registers = 32768 if config.num_warps == 4 and 2 * _wgmma_smem_bytes(config) <= _HOPPER_SMEM_BYTES else 65536
+    return min(256, registers // (32 * (config.num_warps + 4)) // 8 * 8)
 
 
 def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: torch.device, bits: int,

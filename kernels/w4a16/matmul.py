@@ -7,7 +7,7 @@ import os
 import torch
 
 from .._launch import cdiv, load_triton_kernels
-from .dispatch import W4A16Algo, W4A16Config, default_config, wgmma_fits
+from .dispatch import W4A16Algo, W4A16Config, default_config, wgmma_fits, wgmma_maxnreg
 
 
 class _SplitKWorkspace:
@@ -184,7 +184,7 @@ def _wgmma(x, qweight, scales, zeros, group_size, bias, out, ws, locks, cfg: W4A
     mod._w4a16_wgmma_kernel[(num_tiles, cfg.split_k)](  # one program per (output tile, K slice), tiles N-major
         *descs, bias if bias is not None else out, out, ws, locks, M, N, K, out.stride(0), HAS_BIAS=bias is not None,
         GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, maxnreg=wgmma_maxnreg(cfg),
     )  # fmt: skip
 
 

@@ -5,32 +5,39 @@ The product is computed transposed, ``out^T [N, M] = W^T [N, K] @ x^T [K, M]``: 
 wgmma's A operand, which wgmma reads from registers, and x is its B operand in shared memory (Machete's layout for
 mixed-input GEMMs: the weight never goes through shared memory after it is dequantized). Each program computes one
 ``[BLOCK_N, BLOCK_M]`` tile of ``out^T`` over its K slice; its weight rows go to the warps in 16-row slices (warp
-``w`` takes slices ``w, w + num_warps, ...``). Every K step ``i``:
+``w`` takes slices ``w, w + num_warps, ...``). The K steps run through a ``STAGES``-deep ring of shared memory, filled
+by a producer warp (``gl.warp_specialize``, CUTLASS's producer/consumer split): for every step it waits until the
+step's slot is free (its "empty" mbarrier) and issues the TMA copies of the x tile, packed words, scales and zero
+points into it (completing on the slot's "ready" mbarrier). The warps of the default partition, every K step ``i``:
 
-1. waits until one wgmma is in flight (``warpgroup_mma_wait(1)``: wgmma ``i - 2`` is done, which frees its ring slot
-   and its registers) and issues the TMA copies of step ``i - 2 + STAGES`` (x tile, packed words, scales, zero
-   points) into that slot of the ``STAGES``-deep ring;
-2. waits on step ``i``'s mbarrier and dequantizes its weight tile straight into the wgmma A register layout while
-   wgmma ``i - 1`` runs. A thread holds, per weight row and 16-K block, ``k = 2c, 2c + 1, 2c + 8, 2c + 9`` (``c`` =
-   lane % 4). In the package's layout (int32 word ``w`` of a column holds ``k = 8w .. 8w + 7``) those are byte ``c``
-   of every word of its rows, so each thread reads its rows' words (the 4 threads of a quad read the same word) and
-   turns byte ``c`` into 2 values with one LOP3 pair (FasterTransformer / Marlin's magic numbers give ``q - z``
-   exactly), then ``(q - z) * s`` in ``x.dtype``, rounded once as ``w4a16_matmul_ref`` rounds: one ``mul.rn`` where
-   the scale is in x's dtype; for bf16 x with fp16 scales (GPTQ / AWQ on a bf16 model) the scale splits into two
-   bf16 parts, and a bf16x2 ``mul`` and ``fma`` round the exact product (``_pair_asm``); other scales multiply in
-   fp32 (an fp32 scale's product is rounded to fp32 first, as there). No repack of ``qweight`` is needed;
+1. wait until one wgmma is in flight (``warpgroup_mma_wait(1)``: wgmma ``i - 2`` is done, which frees its registers)
+   and free wgmma ``i - 2``'s slot for the producer;
+2. wait on step ``i``'s "ready" mbarrier and dequantize its weight tile straight into the wgmma A register layout
+   while wgmma ``i - 1`` runs. A thread holds, per weight row and 16-K block, ``k = 2c, 2c + 1, 2c + 8, 2c + 9``
+   (``c`` = lane % 4). In the package's layout (int32 word ``w`` of a column holds ``k = 8w .. 8w + 7``) those are
+   byte ``c`` of every word of its rows, so each thread reads its rows' words (the 4 threads of a quad read the same
+   word) and turns byte ``c`` into 2 values with one LOP3 pair (FasterTransformer / Marlin's magic numbers give ``q -
+   z`` exactly), then ``(q - z) * s`` in ``x.dtype``, rounded once as ``w4a16_matmul_ref`` rounds: one ``mul.rn``
+   where the scale is in x's dtype; for bf16 x with fp16 scales (GPTQ / AWQ on a bf16 model) the scale splits into
+   two bf16 parts, and a bf16x2 ``mul`` and ``fma`` round the exact product (``_pair_asm``); other scales multiply
+   in fp32 (an fp32 scale's product is rounded to fp32 first, as there). No repack of ``qweight`` is needed;
    ``convert_layout(..., assert_trivial=True)`` checks at compile time that the values come out in the A layout;
-3. issues wgmma ``i``. Even and odd steps use two register sets, so wgmma ``i`` queues behind wgmma ``i - 1``.
+3. issue wgmma ``i``. Even and odd steps use two register sets, so wgmma ``i`` queues behind wgmma ``i - 1``.
+
+Why a producer warp: with the copies issued by the default partition itself, its warps issue about 290 instructions a
+K step and pass six CTA-wide barriers; with the producer, about 210 and two mbarriers of their own (Triton 3.6, sm_90).
+The launch sets ``maxnreg`` (``dispatch.wgmma_maxnreg``) so the default partition gets the registers the producer
+does not use.
 
 The finished tile is moved (through shared memory, which the ring no longer needs) from wgmma's layout, where a
 thread's values of one row of ``out`` are single columns 8 apart, to one where each thread holds 8 consecutive
 columns (``_epilogue_layout``): every store of ``out`` and every split-K add into the fp32 workspace then moves 16
 bytes, and the epilogue of 256-row x tiles with split-K fits in registers.
 
-Sources: the software pipeline over TMA and mbarriers and the async wgmma are CUTLASS's Hopper mainloop; the swap of
-A and B with the weight in registers is Machete's (vLLM); the LOP3 dequantization is Marlin's; the serial split-K is
-the package's (``common_kernels._write_tile``). Gluon has no interpreter: CI compiles this module for sm_90 on the
-CPU (``tests/test_w4a16_wgmma.py``); CUDA tests check it against the reference.
+Sources: the warp-specialized pipeline over TMA and mbarriers and the async wgmma are CUTLASS's Hopper mainloop; the
+swap of A and B with the weight in registers is Machete's (vLLM); the LOP3 dequantization is Marlin's; the serial
+split-K is the package's (``common_kernels._write_tile``). Gluon has no interpreter: CI compiles this module for
+sm_90 on the CPU (``tests/test_w4a16_wgmma.py``); CUDA tests check it against the reference.
 """
 
 import functools
@@ -39,7 +46,8 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # names that changed between Triton 3.6 and 3.7+: the TMA global -> shared copy and the CTA-wide barrier
@@ -172,24 +180,62 @@ def _dequant(p_smem, s_smem, z_smem, slot, DT: gl.constexpr, S_DT: gl.constexpr,
 
 
 @gluon.jit
-def _step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, i, acc, a_same, n_steps, k_begin,
-          off_m, off_n, GROUP_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-          L3: gl.constexpr, A: gl.constexpr):
-    """K step ``i >= 2``: wait until one wgmma is in flight (wgmma ``i - 2`` done: its registers ``a_same``, its
-    slot), refill that slot with step ``i - 2 + STAGES``, dequantize step ``i`` into ``a_same``'s register set while
-    wgmma ``i - 1`` runs, issue wgmma ``i``."""
+def _producer(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, empty, k_begin, n_steps, off_m,
+              off_n, GROUP_SIZE: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: the copies of every K step, each into its ring slot once the default partition freed it."""
+    for i in range(n_steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1 at once
+        _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, slot,
+                      k_begin + i * BLOCK_K, off_m, off_n, GROUP_SIZE)
+
+
+@gluon.jit
+def _step(x_smem, p_smem, s_smem, z_smem, ready, empty, i, acc, a_same, DT: gl.constexpr, S_DT: gl.constexpr,
+          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, L3: gl.constexpr, A: gl.constexpr):
+    """K step ``i >= 2``: wait until one wgmma is in flight (wgmma ``i - 2`` done: its registers ``a_same``), free
+    its slot (a proxy fence orders this partition's reads of it before the producer's next TMA write), dequantize
+    step ``i`` into ``a_same``'s register set while wgmma ``i - 1`` runs, issue wgmma ``i``."""
     acc, a_same = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_same))
     if gl.num_warps() > 4:
         _barrier()  # ... in every warpgroup
-    nxt = i - 2 + STAGES
-    if nxt < n_steps:
-        _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, nxt % STAGES,
-                      k_begin + nxt * BLOCK_K, off_m, off_n, GROUP_SIZE)
+    fence_async_shared()
+    mbarrier.arrive(empty.index((i - 2) % STAGES), count=1)
     slot = i % STAGES
-    mbarrier.wait(bars.index(slot), phase=(i // STAGES) & 1)
-    a_same = _dequant(p_smem, s_smem, z_smem, slot, x_desc.dtype, s_desc.dtype, BLOCK_N, BLOCK_K, L3, A)
+    mbarrier.wait(ready.index(slot), phase=(i // STAGES) & 1)
+    a_same = _dequant(p_smem, s_smem, z_smem, slot, DT, S_DT, BLOCK_N, BLOCK_K, L3, A)
     acc = warpgroup_mma(a_same, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
     return acc, a_same
+
+
+@gluon.jit
+def _consumer(x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps, DT: gl.constexpr, S_DT: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              num_warps: gl.constexpr):
+    """The default partition's K loop: the program's fp32 tile ``[BLOCK_N, BLOCK_M]``, as a 1-tuple."""
+    L3: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K // 8, num_warps)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    # steps 0 and 1 (use_acc=False first: an accumulator reaching a wait defined by anything but a wgmma makes ptxas
+    # serialize every wgmma, its C7515 note), then pairs of steps, even ones in register set `a`, odd ones in `a_odd`
+    mbarrier.wait(ready.index(0), phase=0)
+    a = _dequant(p_smem, s_smem, z_smem, 0, DT, S_DT, BLOCK_N, BLOCK_K, L3, A)
+    acc = warpgroup_mma(a, x_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA),
+                        use_acc=False, is_async=True)
+    mbarrier.wait(ready.index(1), phase=0)
+    a_odd = _dequant(p_smem, s_smem, z_smem, 1, DT, S_DT, BLOCK_N, BLOCK_K, L3, A)
+    acc = warpgroup_mma(a_odd, x_smem.index(1).permute((1, 0)), acc, is_async=True)
+    for j in range(1, n_steps // 2):
+        acc, a = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, 2 * j, acc, a, DT, S_DT, BLOCK_N, BLOCK_K,
+                       STAGES, L3, A)
+        acc, a_odd = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, 2 * j + 1, acc, a_odd, DT, S_DT, BLOCK_N,
+                           BLOCK_K, STAGES, L3, A)
+    if n_steps % 2 == 1:
+        acc, a = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps - 1, acc, a, DT, S_DT, BLOCK_N, BLOCK_K,
+                       STAGES, L3, A)
+    acc, a, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_odd))
+    return (acc,)  # a tuple: Triton 3.6 returns a partition's results as one
 
 
 @gluon.jit
@@ -273,39 +319,22 @@ def _w4a16_wgmma_kernel(
     DT: gl.constexpr = x_desc.dtype
     off_m, off_n, k_begin, n_steps = _program_tile(M, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
 
-    L3: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K // 8, num_warps)
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     x_smem, p_smem, s_smem, z_smem = _allocate_ring(x_desc, p_desc, s_desc, z_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    for s in gl.static_range(STAGES):
-        if s < n_steps:
-            _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, s,
-                          k_begin + s * BLOCK_K, off_m, off_n, GROUP_SIZE)
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
 
-    # steps 0 and 1 (use_acc=False first: an accumulator reaching a wait defined by anything but a wgmma makes ptxas
-    # serialize every wgmma, its C7515 note), then pairs of steps, even ones in register set `a`, odd ones in `a_odd`
-    mbarrier.wait(bars.index(0), phase=0)
-    a = _dequant(p_smem, s_smem, z_smem, 0, DT, s_desc.dtype, BLOCK_N, BLOCK_K, L3, A)
-    acc = warpgroup_mma(a, x_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA),
-                        use_acc=False, is_async=True)
-    mbarrier.wait(bars.index(1), phase=0)
-    a_odd = _dequant(p_smem, s_smem, z_smem, 1, DT, s_desc.dtype, BLOCK_N, BLOCK_K, L3, A)
-    acc = warpgroup_mma(a_odd, x_smem.index(1).permute((1, 0)), acc, is_async=True)
-    for j in range(1, n_steps // 2):
-        acc, a = _step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, 2 * j, acc, a, n_steps,
-                       k_begin, off_m, off_n, GROUP_SIZE, BLOCK_N, BLOCK_K, STAGES, L3, A)
-        acc, a_odd = _step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, 2 * j + 1, acc,
-                           a_odd, n_steps, k_begin, off_m, off_n, GROUP_SIZE, BLOCK_N, BLOCK_K, STAGES, L3, A)
-    if n_steps % 2 == 1:
-        acc, a = _step(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, n_steps - 1, acc, a,
-                       n_steps, k_begin, off_m, off_n, GROUP_SIZE, BLOCK_N, BLOCK_K, STAGES, L3, A)
-    acc, a, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_odd))
+    (acc,) = gl.warp_specialize([
+        (_consumer, (x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps, DT, s_desc.dtype, BLOCK_M, BLOCK_N,
+                     BLOCK_K, STAGES, num_warps)),
+        (_producer, (x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, empty, k_begin, n_steps,
+                     off_m, off_n, GROUP_SIZE, BLOCK_K, STAGES)),
+    ], [1], [24])  # the producer: 1 warp, 24 registers a thread
     for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
 
     _write_out(acc, bias_ptr, out_ptr, ws_ptr, lock_ptr, off_m, off_n, M, N, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N,
                SPLIT_K, num_warps)
