@@ -73,7 +73,6 @@ def main() -> None:
         import importlib.util
 
         from paged_transformers.kernels._launch import load_triton_kernels
-
         from paged_transformers.kernels.w4a16 import matmul as matmul_mod
 
         mod = load_triton_kernels("w4a16.wgmma_kernels", dev)
