@@ -193,17 +193,32 @@ CUDA = torch.device("cuda")
 
 
 @pytest.mark.parametrize("M,N,K,group,split", [
-    (17, 6144, 4096, 128, 4), (64, 4096, 4096, 128, 4), (128, 6144, 4096, 128, 1), (256, 4096, 4096, 128, 1),
+    (17, 6144, 4096, 128, 1), (64, 4096, 4096, 128, 2), (128, 6144, 4096, 128, 1), (256, 4096, 4096, 128, 1),
     (17, 28672, 4096, 128, 1), (256, 28672, 4096, 128, 1), (40, 4096, 14336, 128, 4), (200, 4096, 14336, 128, 2),
     (64, 64, 512, 128, 2),  # K of 4 steps: the split lowered to 2 (at least 2 steps per slice)
     (64, 384, 192, 192, 1),  # per-channel, 3 steps: no split
-    (17, 6144, 4096, 64, 4), (64, 4096, 14336, 64, 8),  # groups of 64: the block_k = 64 rows
+    (17, 6144, 4096, 64, 1), (17, 4096, 4096, 64, 2), (64, 4096, 14336, 64, 4),  # groups of 64: block_k = 64
 ])
 def test_default_config_picks_wgmma_on_hopper(M, N, K, group, split, monkeypatch):
     _hopper(monkeypatch)
     cfg = k.default_config(M, N, K, group, CUDA, 4, torch.bfloat16)
     assert cfg.algo is A.WGMMA and cfg.split_k == split, cfg
     assert group % cfg.block_k == 0 or group == K, cfg
+
+
+@pytest.mark.parametrize("M,N,block_m,split", [
+    (32, 4096, 32, 2), (32, 6144, 32, 1),  # split 2: 128 programs on o; 192 on q|k|v, so no split
+    (100, 4096, 64, 1), (100, 6144, 128, 1),  # two 64-row tiles: 128 programs on o; 192 on q|k|v, so 128 rows
+    (256, 4096, 128, 1), (256, 6144, 256, 1),  # the same at 129-256 rows with 128- and 256-row tiles
+])
+def test_square_rows_keep_one_program_per_sm(M, N, block_m, split, monkeypatch):
+    # the one_wave rows apply only where tiles x split fit the SMs (132), else the taller tiles that follow
+    _hopper(monkeypatch)
+    cfg = k.default_config(M, N, 4096, 128, CUDA, 4, torch.bfloat16)
+    assert (cfg.block_m, cfg.split_k) == (block_m, split), cfg
+    assert -(-M // cfg.block_m) * -(-N // cfg.block_n) * cfg.split_k <= 132 or block_m == 256, cfg
+    monkeypatch.setattr(dispatch, "num_sms", lambda device, stand_in: 264)  # twice the SMs: every one_wave row fits
+    assert k.default_config(M, 6144, 4096, 128, CUDA, 4, torch.bfloat16).block_m == {32: 32, 100: 64, 256: 128}[M]
 
 
 @pytest.mark.parametrize("why,args", [

@@ -99,13 +99,17 @@ class Rule:
     """One row of ``RULES``: for ``min_m <= M <= max_m`` and a weight of one of ``shapes``, launch ``config``: its
     ``split_k`` replaced by ``split_k_for`` at ``programs_per_sm`` (which counts one row of output tiles: ``max_m <=
     config.block_m`` in those rows), or, when that is 0, kept as the rule gives it (the sweep's, for 132 SMs) but
-    lowered to the largest power of two dividing the K steps (equal K slices) that leaves at least 2 K steps a slice."""
+    lowered to the largest power of two dividing the K steps (equal K slices) that leaves at least 2 K steps a slice.
+    With ``one_wave``, the row applies only where its grid (output tiles x split_k) is at most one program per SM:
+    where two programs share some SMs and not others, those SMs set the time, and the next row's fewer programs (no
+    split, or taller tiles) win (the WGMMA kernel's dequantization keeps an SM's CUDA cores busy with one program)."""
 
     min_m: int
     max_m: int
     shapes: tuple[str, ...]
     config: W4A16Config
     programs_per_sm: int
+    one_wave: bool = False
 
 
 def _tile(algo: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
@@ -123,7 +127,7 @@ RULES = (
     # WGMMA rows: H100 device time, bf16 x, group 128, on the engine's fused shapes, next to bf16 torch.matmul and the
     # kernel these rows replaced, whose weight tile went through shared memory (BENCHMARKS.md, issue 23, 2026-12-06,
     # third session: `research/w4a16_wgmma_rs.py` at commit 2e5ed42)
-    # (the times are of the config each row launches; a row with block_k = 128 is followed by one of block_k = 64 for
+    # (the times are of the config each row launches; rows with block_k = 128 are followed by rows of block_k = 64 for
     # groups of 64)
     # 4096 x 28672 (gate|up) at M = 32 / 64: 45.9 / 53.5 us vs bf16 84.0 / 81.1, the previous kernel 51.1 / 52.8
     Rule(17, 32, (WIDE,), _tile("wgmma", 32, 128, 64, 4, 4), 0),
@@ -133,27 +137,40 @@ RULES = (
     # at M = 192 / 256: 114.2 / 118.5 us vs bf16 92.9 / 99.2, previous 133.4 / 138.7; 111.3 vs bf16 98.8 at M = 256 with
     # the 16-byte epilogue and the split-scale dequantization (issue 23, 2026-12-07)
     Rule(129, 256, (WIDE,), _tile("wgmma", 256, 128, 64, 8, 4), 0),
-    # 14336 x 4096 (down) at M = 32 / 64: 24.5 / 30.1 us vs bf16 44.2 / 45.8, previous 29.3 / 34.9; block_k = 64:
-    # 28.3 / 32.0
-    Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=8), 0),
-    Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=8), 0),
+    # 14336 x 4096 (down) at M = 32 / 64: 21.2 / 25.2 us vs bf16 43.7 / 45.1 (split 8 at M = 32: 24.6); block_k = 64
+    # at M = 64, split 4: 27.9 (split 8: 32.0); at M = 32 split 4 as block_k = 128 (untimed) (issue 23, 2026-12-07,
+    # third session, the kernel with a producer warp)
+    Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=4), 0),
+    Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=4), 0),
     Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 128, 4, 4, split_k=4), 0),
-    Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=8), 0),
+    Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=4), 0),
     # at M = 128: 46.3 us vs bf16 52.3, previous 48.1; 43.4 vs bf16 53.2 on 2026-12-07
     Rule(65, 128, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=4), 0),
     # at M = 256 (2026-12-07): 69.0 us vs bf16 58.4; 128-row x tiles, split 2 (the rule before): 74.9; the epilogue
     # of 256-row tiles with split-K no longer spills (at M = 129-256 both tile heights compute 256 rows of x)
     Rule(129, 256, (TALL,), _tile("wgmma", 256, 64, 64, 4, 4, split_k=2), 0),
-    # 4096 x 6144 (q|k|v) / 4096 x 4096 (o) at M = 32: 14.4 / 12.6 us vs bf16 21.0 / 14.3, previous 18.6 / 15.1;
-    # block_k = 64: 15.8 / 13.9
-    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=4), 0),
-    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=4), 0),
-    # at M = 64: 19.1 / 16.2 us vs bf16 21.3 / 14.5, previous 21.9 / 17.3
-    Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=4), 0),
-    # at M = 128: 28.1 / 27.6 us vs bf16 20.9 / 15.2, previous 29.4 / 28.5 (split 4: 36.4 / 23.6)
+    # 4096 x 6144 (q|k|v) / 4096 x 4096 (o), issue 23, 2026-12-07, third session (the kernel with a producer warp):
+    # one program per SM at most (one_wave) where the grid allows, else fewer programs. At M = 32, o: split 2,
+    # 11.6 us vs bf16 14.3 (split 4: 11.5); q|k|v: split 1, 14.4 vs bf16 20.3 (split 2: 14.9, split 4: 18.2); block_k
+    # = 64 as block_k = 128 (untimed)
+    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=2), 0, one_wave=True),
+    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 128, 4, 4), 0),
+    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=2), 0, one_wave=True),
+    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 64, 4, 4), 0),
+    # at M = 64, o: split 2, 13.3 us vs bf16 14.4; q|k|v: split 1, 14.8 vs bf16 20.4 (split 2: 18.0); block_k = 64,
+    # split 2: 15.9 / 19.5 (split 4: 15.1 / 23.8)
+    Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 128, 4, 4, split_k=2), 0, one_wave=True),
+    Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 128, 4, 4), 0),
+    Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=2), 0),
+    # at M = 96 / 128, o: 64-row tiles, 15.4 / 14.5 us vs bf16 14.5 / 15.0 (128-row: 21.4 / 21.4; block_k = 64,
+    # 128-row split 2: 19.2 / 19.5); q|k|v: 128-row tiles, 22.9 / 22.0 vs bf16 19.7 / 20.3 (64-row at M = 96: 24.2)
+    Rule(65, 128, (SQUARE,), _tile("wgmma", 64, 64, 128, 4, 4), 0, one_wave=True),
+    Rule(65, 128, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=2), 0, one_wave=True),
     Rule(65, 128, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
-    # at M = 256: 39.8 / 27.8 us vs bf16 24.4 / 19.2, previous 42.8 / 34.1
-    Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
+    # at M = 192 / 256, o: 128-row tiles, 25.7 / 21.8 us vs bf16 16.6 / 17.3 (256-row: 26.6 / 26.5); q|k|v:
+    # 256-row tiles, 33.7 / 27.1 vs bf16 28.3 / 24.1 (128-row: 39.0 / 31.7)
+    Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0, one_wave=True),
+    Rule(129, 256, (SQUARE,), _tile("wgmma", 256, 64, 64, 4, 4), 0),
     # without WGMMA (not Hopper, or its tiles do not fit): the rows below
     # 4096 x 14336 at M = 64: 39.8 us vs DEQUANT_MATMUL's 73.5 (docs/benchmark-history.md, round 7)
     Rule(17, 64, (WIDE,), _tile("tc", 64, 128, 128, 8, 3), 0),
@@ -261,13 +278,14 @@ def weight_shape(N: int, K: int) -> str:
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device, bits: int = 4,
                    dtype: torch.dtype = torch.bfloat16, tma_aligned: bool = True) -> W4A16Config:
     """The launch configuration used when none is given: the first row of ``RULES`` for ``M`` and the weight's shape
-    (``weight_shape``) whose kernel applies, with its split-K from ``split_k_for`` (the device's SM count).
+    (``weight_shape``) whose kernel applies (and whose grid fits one program an SM, for a ``one_wave`` row), with its
+    split-K from ``split_k_for`` (the device's SM count).
 
     Each row is the fastest configuration of the sweeps for its regime (docs/benchmark-history.md, issue 7, on the
     H200; BENCHMARKS.md, issue 23, on the H100): the GEMV at M = 1, the tensor-core kernel up to 16 rows, on Hopper
     the WGMMA kernel for 17-256 rows; elsewhere the tensor-core kernel for wide or tall weights up to 64 rows;
     dequantize + cuBLAS above (prefill chunks). Batch-1 decode of a GPTQ 4-bit Llama-3-8B shape takes 2.60 ms per
-    token with them, bf16 4.44 (1.71x).
+    token with them, bf16 4.44 (1.71x, H200, issue 7); 2.96 against 5.86 on an H100 (1.98x, issue 23, 2026-12-07).
 
     Args: the GEMM sizes (``x [M, K] @ W [K, N]``), the group size, the device, the weight's bits and x's dtype;
         ``tma_aligned``: whether qweight, scales and zeros have 16-byte aligned base addresses (False leaves out
@@ -281,9 +299,15 @@ def default_config(M: int, N: int, K: int, group_size: int, device: torch.device
     for rule in RULES:
         if rule.min_m <= M <= rule.max_m and shape in rule.shapes:
             cfg = _with_split(rule, N, K, device)
-            if _applies(cfg, N, K, group_size, device, bits, dtype, tma_aligned):
+            if _applies(cfg, N, K, group_size, device, bits, dtype, tma_aligned) and not (
+                    rule.one_wave and _num_programs(M, N, cfg) > num_sms(device, TUNED_NUM_SMS)):
                 return cfg
     raise AssertionError(f"no rule of RULES for M={M}, {shape}: the last rule must take every M and shape")
+
+
+def _num_programs(M: int, N: int, cfg: W4A16Config) -> int:
+    """Programs of ``cfg``'s grid: output tiles times ``split_k``."""
+    return -(-M // cfg.block_m) * -(-N // cfg.block_n) * cfg.split_k
 
 
 def _with_split(rule: Rule, N: int, K: int, device: torch.device) -> W4A16Config:
