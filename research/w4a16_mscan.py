@@ -3,7 +3,8 @@ to bf16 ``torch.matmul`` and, with ``--ab-dispatch FILE``, the config another co
 picks (e.g. ``git show COMMIT:kernels/w4a16/dispatch.py``), on the engine's fused Llama-3-8B shapes (q|k|v 4096x6144,
 o 4096x4096, gate|up 4096x28672, down 14336x4096). us per call on the CUDA-graph clock over weight sets of > 4x L2
 (``benchmarks/bench_w4a16.py``). Each shape runs its M values twice, ascending then descending, so a clock that drifts
-during the run shows as two columns that disagree.
+during the run shows as two columns that disagree. ``--pad`` also times this dispatch's config on x padded with zero
+rows to a whole number of its row tiles, with and without the padding copy.
 
     python research/w4a16_mscan.py --ab-dispatch research/dispatch_prev.py --out $OUT/mscan.json    # GPU (Hopper)
 """
@@ -15,6 +16,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench_w4a16 import GROUP, graph_time_ms, rel_err, rotating_sets  # noqa: E402
@@ -36,6 +38,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="17,32,48,64,80,96,112,128,144,160,176,192,208,224,240,256")
     ap.add_argument("--ab-dispatch", default=None, help="another dispatch.py whose default_config is timed too")
+    ap.add_argument("--pad", action="store_true",
+                    help="also time this dispatch's config on x padded with zero rows to a whole number of its tiles: "
+                         "pre-padded ('padded') and padded in each call ('pad_copy', the copy timed too)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -60,6 +65,16 @@ def main() -> None:
                     row[f"{name}_cfg"] = str(cfg)
                     row[f"{name}_rel_err"] = err = rel_err(fn(0), ref)
                     row[f"{name}_us"] = graph_time_ms(fn) * 1e3 if err < 1e-2 else float("nan")
+                if args.pad:  # whether the rows of x's last tile past the batch are what costs (BENCHMARKS.md)
+                    cfg, rows_past = cfgs["new"], -M % cfgs["new"].block_m
+                    padded = [F.pad(x, (0, 0, 0, rows_past)) for x in xs]
+                    variants = {"padded": lambda i: w4a16_matmul(padded[i % len(xs)], *qsets[i % n_q], 4, GROUP,
+                                                                 config=cfg)[:M],
+                                "pad_copy": lambda i: w4a16_matmul(F.pad(xs[i % len(xs)], (0, 0, 0, rows_past)),
+                                                                   *qsets[i % n_q], 4, GROUP, config=cfg)[:M]}
+                    for name, fn in variants.items():
+                        row[f"{name}_rel_err"] = err = rel_err(fn(0), ref)
+                        row[f"{name}_us"] = graph_time_ms(fn) * 1e3 if err < 1e-2 else float("nan")
                 rows.append(row)
         del qsets, bsets
         torch.cuda.empty_cache()
@@ -77,6 +92,8 @@ def main() -> None:
                     f"{a['new_us']:6.1f}/{d['new_us']:<6.1f} {mean['bf16_us'] / mean['new_us']:5.2f}")
             if other:
                 line += f" {a['prev_us']:6.1f}/{d['prev_us']:<6.1f} {mean['bf16_us'] / mean['prev_us']:5.2f}"
+            if args.pad:
+                line += f" padded {mean['padded_us']:6.1f} pad+copy {mean['pad_copy_us']:6.1f}"
             line += f"  {a['new_cfg']}" + (f" [{a['prev_cfg']}]" if other and a["prev_cfg"] != a["new_cfg"] else "")
             print(line, flush=True)
 
