@@ -212,7 +212,8 @@ def test_default_config_picks_wgmma_on_hopper(M, N, K, group, split, monkeypatch
     (256, 4096, 128, 1), (256, 6144, 256, 1),  # the same at 129-256 rows with 128- and 256-row tiles
 ])
 def test_square_rows_keep_one_program_per_sm(M, N, block_m, split, monkeypatch):
-    # the one_wave rows apply only where tiles x split fit the SMs (132), else the taller tiles that follow
+    # the one_wave rows apply only where tiles x split fit the SMs (132), else the next row's fewer programs (no split,
+    # or taller tiles)
     _hopper(monkeypatch)
     cfg = k.default_config(M, N, 4096, 128, CUDA, 4, torch.bfloat16)
     assert (cfg.block_m, cfg.split_k) == (block_m, split), cfg
