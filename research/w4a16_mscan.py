@@ -4,7 +4,8 @@ picks (e.g. ``git show COMMIT:kernels/w4a16/dispatch.py``), on the engine's fuse
 o 4096x4096, gate|up 4096x28672, down 14336x4096). us per call on the CUDA-graph clock over weight sets of > 4x L2
 (``benchmarks/bench_w4a16.py``). Each shape runs its M values twice, ascending then descending, so a clock that drifts
 during the run shows as two columns that disagree. ``--pad`` also times this dispatch's config on x padded with zero
-rows to a whole number of its row tiles, with and without the padding copy.
+rows to a whole number of its row tiles, with and without the padding copy. ``--ab-kernel FILES`` also times this
+dispatch's config with the kernel and TMA descriptors of each copy of ``kernels/w4a16/wgmma_kernels.py`` named.
 
     python research/w4a16_mscan.py --ab-dispatch research/dispatch_prev.py --out $OUT/mscan.json    # GPU (Hopper)
 """
@@ -21,14 +22,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench_w4a16 import GROUP, graph_time_ms, rel_err, rotating_sets  # noqa: E402
 
+from paged_transformers.kernels._launch import load_triton_kernels  # noqa: E402
 from paged_transformers.kernels.w4a16 import W4A16Config, default_config, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
 
-def load_dispatch(path: str):
-    """A copy of ``dispatch.py`` as a module of the package (its relative imports resolve there)."""
-    spec = importlib.util.spec_from_file_location("paged_transformers.kernels.w4a16._dispatch_ab", path)
+def load_module(path: str, name: str):
+    """The file ``path`` as the module ``name`` (a name inside the package resolves its relative imports there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -41,10 +43,18 @@ def main() -> None:
     ap.add_argument("--pad", action="store_true",
                     help="also time this dispatch's config on x padded with zero rows to a whole number of its tiles: "
                          "pre-padded ('padded') and padded in each call ('pad_copy', the copy timed too)")
+    ap.add_argument("--ab-kernel", default=None,
+                    help="comma-separated copies of wgmma_kernels.py: this dispatch's config also timed with each "
+                         "one's kernel and descriptors ('k_<file name>')")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    other = load_dispatch(args.ab_dispatch) if args.ab_dispatch else None
+    other = load_module(args.ab_dispatch, "paged_transformers.kernels.w4a16._dispatch_ab") if args.ab_dispatch else None
+    wk = load_triton_kernels("w4a16.wgmma_kernels", dev)
+    kernels = {None: (wk._w4a16_wgmma_kernel, wk.descriptors)}
+    for i, path in enumerate(args.ab_kernel.split(",") if args.ab_kernel else []):
+        mod = load_module(path, f"wgmma_kernels_ab{i}")
+        kernels[os.path.splitext(os.path.basename(path))[0]] = (mod._w4a16_wgmma_kernel, mod.descriptors)
     ms = [int(m) for m in args.ms.split(",")]
     rows = []
     for K, N in SHAPES:
@@ -75,6 +85,15 @@ def main() -> None:
                     for name, fn in variants.items():
                         row[f"{name}_rel_err"] = err = rel_err(fn(0), ref)
                         row[f"{name}_us"] = graph_time_ms(fn) * 1e3 if err < 1e-2 else float("nan")
+                for name in [n for n in kernels if n]:
+                    cfg = cfgs["new"]
+                    fn = lambda i: w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)
+                    wk._w4a16_wgmma_kernel, wk.descriptors = kernels[name]
+                    try:
+                        row[f"k_{name}_rel_err"] = err = rel_err(fn(0), ref)
+                        row[f"k_{name}_us"] = graph_time_ms(fn) * 1e3 if err < 1e-2 else float("nan")
+                    finally:
+                        wk._w4a16_wgmma_kernel, wk.descriptors = kernels[None]
                 rows.append(row)
         del qsets, bsets
         torch.cuda.empty_cache()
@@ -94,6 +113,8 @@ def main() -> None:
                 line += f" {a['prev_us']:6.1f}/{d['prev_us']:<6.1f} {mean['bf16_us'] / mean['prev_us']:5.2f}"
             if args.pad:
                 line += f" padded {mean['padded_us']:6.1f} pad+copy {mean['pad_copy_us']:6.1f}"
+            for name in [n for n in kernels if n]:
+                line += f" {name} {mean[f'k_{name}_us']:6.1f}"
             line += f"  {a['new_cfg']}" + (f" [{a['prev_cfg']}]" if other and a["prev_cfg"] != a["new_cfg"] else "")
             print(line, flush=True)
 

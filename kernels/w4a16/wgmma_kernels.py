@@ -8,7 +8,9 @@ mixed-input GEMMs: the weight never goes through shared memory after it is dequa
 ``w`` takes slices ``w, w + num_warps, ...``). The K steps run through a ``STAGES``-deep ring of shared memory, filled
 by a producer warp (``gl.warp_specialize``, CUTLASS's producer/consumer split): for every step it waits until the
 step's slot is free (its "empty" mbarrier) and issues the TMA copies of the x tile, packed words, scales and zero
-points into it (completing on the slot's "ready" mbarrier). The warps of the default partition, every K step ``i``:
+points into it (completing on the slot's "ready" mbarrier). x goes in boxes of ``X_BOX_ROWS`` rows, and boxes wholly
+past M are not copied: a TMA box whose rows lie partly past the tensor takes longer the more rows lie past it. The
+warps of the default partition, every K step ``i``:
 
 1. wait until one wgmma is in flight (``warpgroup_mma_wait(1)``: wgmma ``i - 2`` is done, which frees its registers)
    and free wgmma ``i - 2``'s slot for the producer;
@@ -129,12 +131,20 @@ def _epilogue_layout(BLOCK_N, BLOCK_M, num_warps):
 
 @gluon.jit
 def _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, bars, slot, k0, off_m, off_n,
-                  GROUP_SIZE: gl.constexpr):
-    """TMA copies of one K step into ring slot ``slot``, completing on ``bars[slot]`` (out of bounds reads as 0)."""
+                  n_xbox, GROUP_SIZE: gl.constexpr):
+    """TMA copies of one K step into ring slot ``slot``, completing on ``bars[slot]``: the packed words, scales and
+    zero points, and the first ``n_xbox`` row boxes of the x tile (out of bounds reads as 0). The boxes wholly past
+    M are not copied: their rows of the slot keep what they held, which only reaches rows of ``out`` past M (never
+    stored)."""
+    XB: gl.constexpr = x_desc.block_type.shape[0]
+    NB: gl.constexpr = x_smem.shape[1] // XB
     bar = bars.index(slot)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + p_desc.block_type.nbytes + s_desc.block_type.nbytes
-                    + z_desc.block_type.nbytes)
-    _tma_load(x_desc, [off_m, k0], bar, x_smem.index(slot))
+    rest: gl.constexpr = p_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes
+    for nb in gl.static_range(1, NB + 1):  # the byte count is a constant: one predicated expect per box count
+        mbarrier.expect(bar, nb * x_desc.block_type.nbytes + rest, pred=n_xbox == nb)
+    x_slot = x_smem.index(slot)
+    for r in gl.static_range(NB):
+        _tma_load(x_desc, [off_m + r * XB, k0], bar, x_slot.slice(r * XB, XB), pred=r < n_xbox)
     _tma_load(p_desc, [k0 // 8, off_n], bar, p_smem.index(slot))
     _tma_load(s_desc, [k0 // GROUP_SIZE, off_n], bar, s_smem.index(slot))
     _tma_load(z_desc, [k0 // GROUP_SIZE, off_n], bar, z_smem.index(slot))
@@ -181,13 +191,15 @@ def _dequant(p_smem, s_smem, z_smem, slot, DT: gl.constexpr, S_DT: gl.constexpr,
 
 @gluon.jit
 def _producer(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, empty, k_begin, n_steps, off_m,
-              off_n, GROUP_SIZE: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+              off_n, M, GROUP_SIZE: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: the copies of every K step, each into its ring slot once the default partition freed it."""
+    XB: gl.constexpr = x_desc.block_type.shape[0]
+    n_xbox = gl.cdiv(gl.minimum(M - off_m, x_smem.shape[1]), XB)  # the x tile's row boxes that hold rows < M
     for i in range(n_steps):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh mbarrier passes phase 1 at once
         _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, slot,
-                      k_begin + i * BLOCK_K, off_m, off_n, GROUP_SIZE)
+                      k_begin + i * BLOCK_K, off_m, off_n, n_xbox, GROUP_SIZE)
 
 
 @gluon.jit
@@ -296,7 +308,7 @@ def _allocate_ring(x_desc, p_desc, s_desc, z_desc, BLOCK_M: gl.constexpr, BLOCK_
 
 @gluon.jit
 def _w4a16_wgmma_kernel(
-    x_desc,  # TMA descriptor of x [M, K] bf16/fp16, block [BLOCK_M, BLOCK_K]
+    x_desc,  # TMA descriptor of x [M, K] bf16/fp16, block [a divisor of BLOCK_M, BLOCK_K]
     p_desc,  # of qweight int32 [K // 8, N] (4-bit, the package layout), block [BLOCK_K // 8, BLOCK_N]
     s_desc,  # of scales fp16/bf16/fp32 [G, N], block [1, BLOCK_N]
     z_desc,  # of zero points int16 [G, N], block [1, BLOCK_N]
@@ -330,7 +342,7 @@ def _w4a16_wgmma_kernel(
         (_consumer, (x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps, DT, s_desc.dtype, BLOCK_M, BLOCK_N,
                      BLOCK_K, STAGES, num_warps)),
         (_producer, (x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, empty, k_begin, n_steps,
-                     off_m, off_n, GROUP_SIZE, BLOCK_K, STAGES)),
+                     off_m, off_n, M, GROUP_SIZE, BLOCK_K, STAGES)),
     ], [1], [24])  # the producer: 1 warp, 24 registers a thread
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -349,16 +361,23 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
+# Rows of x per TMA box. A box partly past M is slow in proportion to its rows past M (BENCHMARKS.md, issue 23): with
+# 64-row boxes at most 48 rows of one box lie past M where batches are multiples of 16 rows (the decode graphs); 16-row
+# boxes remove those too but cost more in the producer warp's copies than they save.
+X_BOX_ROWS = 64
+
+
 def descriptors(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, block_m: int,
                 block_n: int, block_k: int) -> tuple:
     """Host TMA descriptors of the kernel's four inputs, in the 128B-swizzled shared layouts ``get_default_for``
-    picks: x ``[M, K]`` with block ``[block_m, block_k]``, qweight ``[K // 8, N]`` with ``[block_k // 8, block_n]``,
+    picks: x ``[M, K]`` with block ``[min(block_m, X_BOX_ROWS), block_k]`` (the kernel copies an x tile in row
+    boxes, the ones wholly past M not at all), qweight ``[K // 8, N]`` with ``[block_k // 8, block_n]``,
     scales and zeros ``[G, N]`` with ``[1, block_n]``. Each tensor needs unit stride along its last dim, a 16-byte
     aligned base and row stride (``w4a16_matmul`` checks)."""
 
     def desc(t, block):
         return TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, t.dtype))
 
-    return (desc(x, (block_m, block_k)), desc(qweight, (block_k // 8, block_n)), desc(scales, (1, block_n)),
-            desc(zeros, (1, block_n)))
+    return (desc(x, (min(block_m, X_BOX_ROWS), block_k)), desc(qweight, (block_k // 8, block_n)),
+            desc(scales, (1, block_n)), desc(zeros, (1, block_n)))
 
