@@ -53,8 +53,11 @@ def main() -> None:
     wk = load_triton_kernels("w4a16.wgmma_kernels", dev)
     kernels = {None: (wk._w4a16_wgmma_kernel, wk.descriptors)}
     for i, path in enumerate(args.ab_kernel.split(",") if args.ab_kernel else []):
-        mod = load_module(path, f"wgmma_kernels_ab{i}")
-        kernels[os.path.splitext(os.path.basename(path))[0]] = (mod._w4a16_wgmma_kernel, mod.descriptors)
+        name = os.path.splitext(os.path.basename(path))[0]
+        if name in kernels:
+            raise SystemExit(f"--ab-kernel: two files named {name}.py")
+        mod = load_module(path, f"wgmma_kernels_ab{i}")  # launched as the product launches (its maxnreg)
+        kernels[name] = (mod._w4a16_wgmma_kernel, mod.descriptors)
     ms = [int(m) for m in args.ms.split(",")]
     rows = []
     for K, N in SHAPES:

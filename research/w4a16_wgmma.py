@@ -77,17 +77,18 @@ def main() -> None:
 
         mod = load_triton_kernels("w4a16.wgmma_kernels", dev)
         product_maxnreg = matmul_mod.wgmma_maxnreg
-        kernels = {None: (mod._w4a16_wgmma_kernel, product_maxnreg)}
+        kernels = {None: (mod._w4a16_wgmma_kernel, mod.descriptors, product_maxnreg)}
         for i, path in enumerate(args.ab.split(",")):
             spec = importlib.util.spec_from_file_location(f"wgmma_kernels_ab{i}", path)
             other = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(other)
             with open(path) as f:  # a kernel without a producer warp launches as it did: no maxnreg
                 ws = "warp_specialize" in f.read()
-            kernels[path] = (other._w4a16_wgmma_kernel, product_maxnreg if ws else lambda cfg: None)
+            # each copy with its own TMA descriptors: their x box must be the one its kernel copies
+            kernels[path] = (other._w4a16_wgmma_kernel, other.descriptors, product_maxnreg if ws else lambda cfg: None)
 
         def swap(path: str | None) -> None:
-            mod._w4a16_wgmma_kernel, matmul_mod.wgmma_maxnreg = kernels[path]
+            mod._w4a16_wgmma_kernel, mod.descriptors, matmul_mod.wgmma_maxnreg = kernels[path]
 
     cands = QUICK if args.quick else CANDIDATES
     if args.cands:

@@ -312,6 +312,11 @@ EDGE = [
     # 8 warps with split-K and fp32 scales; 16 rows, 4 warps with 4 slices of rows each
     (130, 512, 1024, 128, torch.bfloat16, torch.float32, True, k.W4A16Config(256, 128, 64, 2, 8, 4, A.WGMMA)),
     (9, 520, 512, 128, torch.bfloat16, torch.float16, False, k.W4A16Config(16, 256, 64, 1, 4, 3, A.WGMMA)),
+    # x copied in 64-row boxes: a 256-row tile with three whole boxes and one skipped, with one whole box and three
+    # skipped (split-K), and 128-row tiles whose second tile has one box partly past M (block_k 128)
+    (192, 256, 512, 128, torch.bfloat16, torch.float16, False, k.W4A16Config(256, 64, 64, 1, 4, 4, A.WGMMA)),
+    (64, 256, 512, 128, torch.float16, torch.float16, True, k.W4A16Config(256, 64, 64, 2, 4, 4, A.WGMMA)),
+    (176, 256, 512, 128, torch.bfloat16, torch.float16, False, k.W4A16Config(128, 64, 128, 1, 4, 4, A.WGMMA)),
 ]
 
 

@@ -8,9 +8,9 @@ mixed-input GEMMs: the weight never goes through shared memory after it is dequa
 ``w`` takes slices ``w, w + num_warps, ...``). The K steps run through a ``STAGES``-deep ring of shared memory, filled
 by a producer warp (``gl.warp_specialize``, CUTLASS's producer/consumer split): for every step it waits until the
 step's slot is free (its "empty" mbarrier) and issues the TMA copies of the x tile, packed words, scales and zero
-points into it (completing on the slot's "ready" mbarrier). x goes in boxes of ``X_BOX_ROWS`` rows, and boxes wholly
-past M are not copied: a TMA box whose rows lie partly past the tensor takes longer the more rows lie past it. The
-warps of the default partition, every K step ``i``:
+points into it (completing on the slot's "ready" mbarrier). x goes in boxes of ``min(BLOCK_M, X_BOX_ROWS)`` rows,
+and boxes wholly past M are not copied: a TMA box whose rows lie partly past the tensor takes longer the more rows lie
+past it. The warps of the default partition, every K step ``i``:
 
 1. wait until one wgmma is in flight (``warpgroup_mma_wait(1)``: wgmma ``i - 2`` is done, which frees its registers)
    and free wgmma ``i - 2``'s slot for the producer;
@@ -138,6 +138,7 @@ def _issue_copies(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem
     stored)."""
     XB: gl.constexpr = x_desc.block_type.shape[0]
     NB: gl.constexpr = x_smem.shape[1] // XB
+    gl.static_assert(NB * XB == x_smem.shape[1], "the x box rows must divide BLOCK_M")
     bar = bars.index(slot)
     rest: gl.constexpr = p_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes
     for nb in gl.static_range(1, NB + 1):  # the byte count is a constant: one predicated expect per box count
@@ -327,7 +328,7 @@ def _w4a16_wgmma_kernel(
     """``out = x @ dequant(W) (+ bias)`` for one ``[BLOCK_M, BLOCK_N]`` tile of ``out`` (tiles N-major: the M tiles of
     one weight tile run next to each other, so it is read from HBM once), ``program_id(1)`` taking one of ``SPLIT_K``
     equal K slices. The host guarantees ``K % (BLOCK_K * SPLIT_K) == 0`` with at least 2 steps per slice; rows past M
-    and columns past N read as 0 and are not stored."""
+    (zeros, or stale values where a whole x box lies past M) and columns past N (zeros) are not stored."""
     DT: gl.constexpr = x_desc.dtype
     off_m, off_n, k_begin, n_steps = _program_tile(M, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
 
@@ -361,9 +362,9 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
-# Rows of x per TMA box. A box partly past M is slow in proportion to its rows past M (BENCHMARKS.md, issue 23): with
-# 64-row boxes at most 48 rows of one box lie past M where batches are multiples of 16 rows (the decode graphs); 16-row
-# boxes remove those too but cost more in the producer warp's copies than they save.
+# Rows of x per TMA box. A box partly past M is slower the more of its rows lie past M (BENCHMARKS.md, issue 23): with
+# 64-row boxes at most 48 rows of one box lie past M where batches are multiples of 16 rows (the decode graphs), which
+# cost about 1 us on a 256-row tile; 16-row boxes, which would leave none, measured slower at every row count.
 X_BOX_ROWS = 64
 
 
