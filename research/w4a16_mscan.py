@@ -5,13 +5,13 @@ o 4096x4096, gate|up 4096x28672, down 14336x4096). us per call on the CUDA-graph
 (``benchmarks/bench_w4a16.py``). Each shape runs its M values twice, ascending then descending, so a clock that drifts
 during the run shows as two columns that disagree. ``--pad`` also times this dispatch's config on x padded with zero
 rows to a whole number of its row tiles, with and without the padding copy. ``--ab-kernel FILES`` also times this
-dispatch's config with the kernel and TMA descriptors of each copy of ``kernels/w4a16/wgmma_kernels.py`` named.
+dispatch's config with the kernel and TMA descriptors of each copy of ``kernels/w4a16/wgmma_kernels.py`` named
+(``w4a16_wgmma.kernel_copies``).
 
     python research/w4a16_mscan.py --ab-dispatch research/dispatch_prev.py --out $OUT/mscan.json    # GPU (Hopper)
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -21,19 +21,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench_w4a16 import GROUP, graph_time_ms, rel_err, rotating_sets  # noqa: E402
+from w4a16_wgmma import kernel_copies, load_module, swapped_in  # noqa: E402  (this folder, the script's sys.path[0])
 
-from paged_transformers.kernels._launch import load_triton_kernels  # noqa: E402
 from paged_transformers.kernels.w4a16 import W4A16Config, default_config, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
-
-
-def load_module(path: str, name: str):
-    """The file ``path`` as the module ``name`` (a name inside the package resolves its relative imports there)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:
@@ -50,14 +42,11 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     other = load_module(args.ab_dispatch, "paged_transformers.kernels.w4a16._dispatch_ab") if args.ab_dispatch else None
-    wk = load_triton_kernels("w4a16.wgmma_kernels", dev)
-    kernels = {None: (wk._w4a16_wgmma_kernel, wk.descriptors)}
-    for i, path in enumerate(args.ab_kernel.split(",") if args.ab_kernel else []):
-        name = os.path.splitext(os.path.basename(path))[0]
-        if name in kernels:
-            raise SystemExit(f"--ab-kernel: two files named {name}.py")
-        mod = load_module(path, f"wgmma_kernels_ab{i}")  # launched as the product launches (its maxnreg)
-        kernels[name] = (mod._w4a16_wgmma_kernel, mod.descriptors)
+    paths = args.ab_kernel.split(",") if args.ab_kernel else []
+    names = {os.path.splitext(os.path.basename(path))[0]: path for path in paths}
+    if len(names) < len(paths):
+        raise SystemExit(f"--ab-kernel: two files of one name in {paths}")
+    copies = kernel_copies(paths, dev)
     ms = [int(m) for m in args.ms.split(",")]
     rows = []
     for K, N in SHAPES:
@@ -88,15 +77,12 @@ def main() -> None:
                     for name, fn in variants.items():
                         row[f"{name}_rel_err"] = err = rel_err(fn(0), ref)
                         row[f"{name}_us"] = graph_time_ms(fn) * 1e3 if err < 1e-2 else float("nan")
-                for name in [n for n in kernels if n]:
+                for name, path in names.items():
                     cfg = cfgs["new"]
                     fn = lambda i: w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, GROUP, config=cfg)
-                    wk._w4a16_wgmma_kernel, wk.descriptors = kernels[name]
-                    try:
+                    with swapped_in(copies, path, dev):
                         row[f"k_{name}_rel_err"] = err = rel_err(fn(0), ref)
                         row[f"k_{name}_us"] = graph_time_ms(fn) * 1e3 if err < 1e-2 else float("nan")
-                    finally:
-                        wk._w4a16_wgmma_kernel, wk.descriptors = kernels[None]
                 rows.append(row)
         del qsets, bsets
         torch.cuda.empty_cache()
@@ -116,7 +102,7 @@ def main() -> None:
                 line += f" {a['prev_us']:6.1f}/{d['prev_us']:<6.1f} {mean['bf16_us'] / mean['prev_us']:5.2f}"
             if args.pad:
                 line += f" padded {mean['padded_us']:6.1f} pad+copy {mean['pad_copy_us']:6.1f}"
-            for name in [n for n in kernels if n]:
+            for name in names:
                 line += f" {name} {mean[f'k_{name}_us']:6.1f}"
             line += f"  {a['new_cfg']}" + (f" [{a['prev_cfg']}]" if other and a["prev_cfg"] != a["new_cfg"] else "")
             print(line, flush=True)

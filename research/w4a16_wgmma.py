@@ -18,6 +18,8 @@ producer warp in ``research/wgmma_ws_kernels.py`` (commit 0c825c4).
 """
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -48,6 +50,47 @@ def splits_for(M, N, K, bm, bn, bk, sms=132):
     return out
 
 
+def load_module(path: str, name: str):
+    """The file ``path`` as the module ``name`` (a name inside the package resolves its relative imports there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def kernel_copies(paths: list[str], device: torch.device) -> dict:
+    """The launch parts of each copy of ``kernels/w4a16/wgmma_kernels.py`` at ``paths`` (e.g. ``git show
+    COMMIT:kernels/w4a16/wgmma_kernels.py``), and the product's under ``None``: ``{path: (kernel, descriptors,
+    maxnreg)}`` for ``swapped_in``. Each copy keeps its own TMA descriptors, whose boxes are the ones its kernel
+    copies; a copy without a producer warp launches as it did, without ``maxnreg``."""
+    from paged_transformers.kernels._launch import load_triton_kernels
+    from paged_transformers.kernels.w4a16 import matmul as matmul_mod
+
+    mod = load_triton_kernels("w4a16.wgmma_kernels", device)
+    copies = {None: (mod._w4a16_wgmma_kernel, mod.descriptors, matmul_mod.wgmma_maxnreg)}
+    for i, path in enumerate(paths):
+        other = load_module(path, f"wgmma_kernels_ab{i}")
+        with open(path) as f:
+            ws = "warp_specialize" in f.read()
+        copies[path] = (other._w4a16_wgmma_kernel, other.descriptors,
+                        matmul_mod.wgmma_maxnreg if ws else lambda cfg: None)
+    return copies
+
+
+@contextlib.contextmanager
+def swapped_in(copies: dict, path: str, device: torch.device):
+    """Inside the block, ``w4a16_matmul``'s WGMMA launches use copy ``path`` of ``kernel_copies``; the product's after."""
+    from paged_transformers.kernels._launch import load_triton_kernels
+    from paged_transformers.kernels.w4a16 import matmul as matmul_mod
+
+    mod = load_triton_kernels("w4a16.wgmma_kernels", device)
+    mod._w4a16_wgmma_kernel, mod.descriptors, matmul_mod.wgmma_maxnreg = copies[path]
+    try:
+        yield
+    finally:
+        mod._w4a16_wgmma_kernel, mod.descriptors, matmul_mod.wgmma_maxnreg = copies[None]
+
+
 def config(cand, split):
     bm, bn, bk, stages, warps = cand
     return W4A16Config(bm, bn, bk, split, warps, stages, W4A16Algo.WGMMA)
@@ -68,28 +111,7 @@ def main() -> None:
                          "every variant is also timed with each one's kernel, in the same process ('ab')")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    swap = None
-    if args.ab:
-        import importlib.util
-
-        from paged_transformers.kernels._launch import load_triton_kernels
-        from paged_transformers.kernels.w4a16 import matmul as matmul_mod
-
-        mod = load_triton_kernels("w4a16.wgmma_kernels", dev)
-        product_maxnreg = matmul_mod.wgmma_maxnreg
-        kernels = {None: (mod._w4a16_wgmma_kernel, mod.descriptors, product_maxnreg)}
-        for i, path in enumerate(args.ab.split(",")):
-            spec = importlib.util.spec_from_file_location(f"wgmma_kernels_ab{i}", path)
-            other = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(other)
-            with open(path) as f:  # a kernel without a producer warp launches as it did: no maxnreg
-                ws = "warp_specialize" in f.read()
-            # each copy with its own TMA descriptors: their x box must be the one its kernel copies
-            kernels[path] = (other._w4a16_wgmma_kernel, other.descriptors, product_maxnreg if ws else lambda cfg: None)
-
-        def swap(path: str | None) -> None:
-            mod._w4a16_wgmma_kernel, mod.descriptors, matmul_mod.wgmma_maxnreg = kernels[path]
-
+    copies = kernel_copies(args.ab.split(","), dev) if args.ab else None
     cands = QUICK if args.quick else CANDIDATES
     if args.cands:
         cands = [tuple(int(v) for v in c.split(",")) for c in args.cands.split(";") if c.strip()]
@@ -131,17 +153,15 @@ def main() -> None:
                         err = rel_err(fn(0), ref)
                         assert err < 1e-2, f"rel_err {err:.3g}"
                         v = dict(cfg=str(cfg), us=graph_time_ms(fn) * 1e3, rel_err=err)
-                        for path in args.ab.split(",") if swap else []:
-                            swap(path)
+                        for path in args.ab.split(",") if copies else []:
                             ab = v.setdefault("ab", {}).setdefault(path, {})
                             try:
-                                ab["rel_err"] = rel_err(fn(0), ref)
-                                assert ab["rel_err"] < 1e-2, f"rel_err {ab['rel_err']:.3g}"
-                                ab["us"] = graph_time_ms(fn) * 1e3
+                                with swapped_in(copies, path, dev):
+                                    ab["rel_err"] = rel_err(fn(0), ref)
+                                    assert ab["rel_err"] < 1e-2, f"rel_err {ab['rel_err']:.3g}"
+                                    ab["us"] = graph_time_ms(fn) * 1e3
                             except Exception as e:  # noqa: BLE001
                                 ab["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                            finally:
-                                swap(None)
                         row["variants"].append(v)
                     except Exception as e:  # noqa: BLE001
                         row["variants"].append(dict(cfg=str(cfg), error=f"{type(e).__name__}: {str(e)[:200]}"))
@@ -150,7 +170,7 @@ def main() -> None:
             report["sweep"].append(row)
             print(K, N, M, f"bf16 {row['bf16_us']:.1f} default {row['default_us']:.1f} ({row['default']}) best",
                   row["best"], flush=True)
-            for v in ok if swap else []:
+            for v in ok if copies else []:
                 others = ", ".join(f"{os.path.basename(p)} {a.get('us', float('nan')):7.1f}" for p, a in v["ab"].items())
                 print(f"    {v['cfg']:<32} {v['us']:7.1f} us; {others}", flush=True)
             if args.out:  # after every row: a call cut at its time limit keeps what it measured
