@@ -62,7 +62,8 @@ def kernel_copies(paths: list[str], device: torch.device) -> dict:
     """The launch parts of each copy of ``kernels/w4a16/wgmma_kernels.py`` at ``paths`` (e.g. ``git show
     COMMIT:kernels/w4a16/wgmma_kernels.py``), and the product's under ``None``: ``{path: (kernel, descriptors,
     maxnreg)}`` for ``swapped_in``. Each copy keeps its own TMA descriptors, whose boxes are the ones its kernel
-    copies; a copy without a producer warp launches as it did, without ``maxnreg``."""
+    copies, and its own ``maxnreg(config)`` where it defines one; a copy without a producer warp launches as it did,
+    without ``maxnreg``."""
     from paged_transformers.kernels._launch import load_triton_kernels
     from paged_transformers.kernels.w4a16 import matmul as matmul_mod
 
@@ -72,9 +73,29 @@ def kernel_copies(paths: list[str], device: torch.device) -> dict:
         other = load_module(path, f"wgmma_kernels_ab{i}")
         with open(path) as f:
             ws = "warp_specialize" in f.read()
-        copies[path] = (other._w4a16_wgmma_kernel, other.descriptors,
-                        matmul_mod.wgmma_maxnreg if ws else lambda cfg: None)
+        kernel = other._w4a16_wgmma_kernel
+        if "CONSUMERS" not in kernel.arg_names:  # a copy from before two consumers: one consumer always
+            kernel = _WithoutConsumers(kernel)
+        copies[path] = (kernel, other.descriptors,
+                        getattr(other, "maxnreg", None) or (matmul_mod.wgmma_maxnreg if ws else lambda cfg: None))
     return copies
+
+
+class _WithoutConsumers:
+    """A kernel copy without the ``CONSUMERS`` argument, launched as ``w4a16_matmul`` launches the product's (which
+    passes ``CONSUMERS`` = 1 for every config such a copy ran)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, CONSUMERS, **kwargs):
+            assert CONSUMERS == 1, "a copy from before two consumers runs one"
+            return launch(*args, **kwargs)
+
+        return run
 
 
 @contextlib.contextmanager
@@ -104,6 +125,8 @@ def main() -> None:
     ap.add_argument("--ms", default=None, help="comma-separated M values to time (default: by --quick)")
     ap.add_argument("--cands", default=None,
                     help="configs to try instead of the lists above: 'bm,bn,bk,stages,warps' separated by ';'")
+    ap.add_argument("--shapes", default=None, help="comma-separated KxN weight shapes to time (default: by --quick)")
+    ap.add_argument("--splits", default=None, help="comma-separated split-K counts to try (default: splits_for's)")
     ap.add_argument("--check-dtypes", default="bf16,fp16", help="x dtypes of the correctness check (bf16, fp16)")
     ap.add_argument("--ab", default=None,
                     help="comma-separated copies of wgmma_kernels.py (e.g. `git show COMMIT:kernels/w4a16/"
@@ -133,6 +156,8 @@ def main() -> None:
     bad = [r for r in report["check"] if r.get("rel_err", 1.0) > 1e-2]
     print(f"check: {len(report['check'])} cases, {len(bad)} over 1e-2: {bad[:3]}", flush=True)
     shapes = [(4096, 28672), (14336, 4096)] if args.quick else [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(m) for m in args.ms.split(",")] if args.ms else (64, 128, 256) if args.quick else (16, 32, 64, 128, 192, 256)
     for K, N in shapes:
         int4_bytes, n_q, n_b, qsets, bsets = rotating_sets(K, N, dev)
@@ -146,7 +171,7 @@ def main() -> None:
             for n, cand in enumerate(cands):
                 if n and time.perf_counter() - t_start > args.budget_s / (len(shapes) * len(ms)):
                     break  # (the first config always runs)
-                for split in splits_for(M, N, K, *cand[:3]):
+                for split in [int(v) for v in args.splits.split(",")] if args.splits else splits_for(M, N, K, *cand[:3]):
                     cfg = config(cand, split)
                     fn = lambda i, cfg=cfg: w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, 128, config=cfg)
                     try:

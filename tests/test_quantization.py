@@ -211,6 +211,34 @@ def test_layer0_dequantization_is_exact(name, models):
             assert torch.equal(module.dequantize(), want), key
 
 
+@pytest.mark.parametrize("method,bits", [("awq", 4), ("gptq", 4), ("gptq", 8)])
+def test_conversion_in_chunks_is_exact(method, bits, monkeypatch):
+    """The kernel layout converted a few rows at a time (AWQ; GPTQ act-order), the last chunk short, dequantizes
+    to what the checkpoint decoders give for the whole layer."""
+    from paged_transformers.kernels.w4a16.reference import dequantize_packed
+    from paged_transformers.quantization import formats
+
+    K, N, gs = 192, 48, 32
+    pack = 32 // bits
+    monkeypatch.setattr(formats, "CHUNK_VALUES", 5 * pack * N)  # 5 words of rows a chunk: 192 / 40 -> 4 + a short one
+    gen = torch.Generator().manual_seed(3)
+    scales = (torch.rand(K // gs, N, generator=gen) + 0.5).half()
+    word = lambda *shape: torch.randint(-(2**31), 2**31, shape, generator=gen, dtype=torch.int32)  # noqa: E731
+    if method == "awq":
+        qweight, qzeros = word(K, N // 8), word(K // gs, N // 8)
+        packed = formats.awq_to_kernel_layout(qweight, qzeros, scales, gs)
+        want = dequantize_awq(qweight, qzeros, scales, gs)
+    else:
+        qweight, qzeros = word(K // pack, N), word(K // gs, N // pack)
+        g_idx = (torch.arange(K) // gs)[torch.randperm(K, generator=gen)].to(torch.int32)
+        packed = formats.gptq_to_kernel_layout(qweight, qzeros, scales, g_idx, bits, gs)
+        want = dequantize_gptq(qweight, qzeros, scales, g_idx, bits)
+        assert packed.perm is not None
+        want = want[:, packed.perm]  # kernel row k is input feature perm[k]
+    got = dequantize_packed(packed.qweight, packed.scales, packed.zeros, bits, gs).t()
+    assert torch.equal(got, want)
+
+
 def test_act_order_is_reordered_once_at_load(models):
     model = models("tiny-llama-gptq-4bit-g32-actorder-asym")
     q_proj = model.model.layers[0].self_attn.q_proj

@@ -52,15 +52,16 @@ def compile_sm90(cfg: k.W4A16Config, dtype: str, scales_dtype: str = "fp16", bia
     sig = {name: mangle_type(d) for name, d in zip(("x_desc", "p_desc", "s_desc", "z_desc"), descs)}
     sig.update({"bias_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32",
                 "N": "i32", "K": "i32", "stride_om": "i32"})
+    consumers = dispatch.wgmma_consumers(cfg)
     consts = dict(HAS_BIAS=bias, GROUP_SIZE=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  STAGES=cfg.num_stages, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
+                  STAGES=cfg.num_stages, SPLIT_K=cfg.split_k, CONSUMERS=consumers, num_warps=cfg.num_warps // consumers)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     src = GluonASTSource(wk._w4a16_wgmma_kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]]
                                 for n in ("bias_ptr", "out_ptr", "ws_ptr", "lock_ptr", "N", "K", "stride_om")})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "maxnreg": dispatch.wgmma_maxnreg(cfg)})
+                            options={"num_warps": cfg.num_warps // consumers, "maxnreg": dispatch.wgmma_maxnreg(cfg)})
     ptxas = get_ptxas(90).path  # the ptxas triton itself uses
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.ptx"), "w") as f:
@@ -79,6 +80,9 @@ CASES = [(cfg, "bf16", "fp16", False) for cfg in WGMMA_CONFIGS] + [
     (WGMMA_CONFIGS[0], "fp16", "bf16", False),  # fp16 x, a scale not exact in fp16: products in fp32
     (dataclasses.replace(WGMMA_CONFIGS[0], split_k=1), "bf16", "fp16", True),
     (dataclasses.replace(WGMMA_CONFIGS[-1], split_k=2), "bf16", "fp32", True),
+    # two consumers with split-K, fp16 x and bias
+    (dataclasses.replace(next(c for c in WGMMA_CONFIGS if dispatch.wgmma_consumers(c) == 2), split_k=2), "fp16",
+     "fp16", True),
 ]
 
 
@@ -123,8 +127,11 @@ def test_compiles_pipelined_for_sm90(case, compiled):
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log
     waits = set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
     assert "0x1" in waits, waits  # the K loop waits for the wgmma before last, not the last one
-    # steps 0 and 1, the loop's two steps and the odd tail each issue BLOCK_K / 16 per 16-row slice of a warp
-    assert sass.count("HGMMA") == 5 * (cfg.block_k // 16) * (cfg.block_n // (16 * cfg.num_warps)), sass.count("HGMMA")
+    # in each consumer, steps 0 and 1, the loop's two steps and the odd tail each issue BLOCK_K / 16 per 16-row slice
+    # of a warp
+    consumers = dispatch.wgmma_consumers(cfg)
+    slices = cfg.block_n // (16 * cfg.num_warps // consumers)
+    assert sass.count("HGMMA") == consumers * 5 * (cfg.block_k // 16) * slices, sass.count("HGMMA")
     assert ("ATOMG" in sass or "RED" in sass) == (cfg.split_k > 1)  # the split-K epilogue only with split-K
     # the epilogue's global stores and split-K adds move 16 bytes each (8 columns of out, 4 of the fp32 workspace)
     writes = re.findall(r"\b(?:STG|REDG)\.E\S*", sass)
@@ -240,7 +247,11 @@ def test_default_config_leaves_wgmma_out_where_it_cannot_run(why, args, monkeypa
     (k.W4A16Config(256, 128, 64, 1, 8, 4, A.WGMMA), 4096, None),
     (k.W4A16Config(512, 64, 64, 1, 4, 4, A.WGMMA), 4096, "needs block_m 16-256"),  # wgmma's N is at most 256
     (k.W4A16Config(64, 512, 64, 1, 4, 4, A.WGMMA), 4096, "needs block_n a multiple"),
-    (k.W4A16Config(64, 64, 64, 1, 8, 4, A.WGMMA), 4096, "needs block_n a multiple"),  # 8 warps: 128 rows
+    (k.W4A16Config(64, 32, 64, 1, 8, 4, A.WGMMA), 4096, "needs block_n a multiple"),  # 8 warps: 128 rows, or 64
+    (k.W4A16Config(128, 64, 64, 1, 8, 8, A.WGMMA), 4096, None),  # two consumers
+    (k.W4A16Config(64, 64, 64, 1, 8, 4, A.WGMMA), 192, "at least 4 K steps"),  # two consumers: 2 steps each
+    (k.W4A16Config(64, 64, 64, 1, 8, 3, A.WGMMA), 4096, "num_stages >= 4"),  # two consumers: the last copy would hang
+    (k.W4A16Config(256, 64, 64, 1, 8, 6, A.WGMMA), 4096, "bytes of shared memory"),  # the ring and the second's tile
     (k.W4A16Config(64, 64, 64, 1, 4, 2, A.WGMMA), 4096, "num_stages >= 3"),
     (k.W4A16Config(256, 64, 128, 1, 4, 4, A.WGMMA), 4096, "bytes of shared memory"),  # 280,096 bytes
     (k.W4A16Config(64, 64, 64, 2, 4, 4, A.WGMMA), 128, "at least 2 K steps"),  # 1 step per slice
@@ -249,6 +260,42 @@ def test_wgmma_fits_names_the_tile_it_cannot_run(cfg, K, reason, monkeypatch):
     _hopper(monkeypatch)
     why = dispatch.wgmma_fits(cfg, 4096, K, 128 if K > 128 else K, CUDA, 4, torch.bfloat16)
     assert (why is None) if reason is None else (reason in why), why
+
+
+def _ring_hangs(n_steps: int, stages: int, consumers: int) -> bool:
+    """A step-by-step model of the kernel's ring: the producer copies step ``i`` into slot ``i % stages`` once step
+    ``i - stages`` is freed; consumer ``c`` takes steps ``c, c + consumers, ...``, and from its third step on frees
+    step ``i - 2 * consumers`` before it waits for step ``i``'s copy. True if some consumer waits forever."""
+    copied, freed, produced = set(), set(), 0
+    own = [list(range(c, n_steps, consumers)) for c in range(consumers)]
+    done = [0] * consumers
+    moved = True
+    while moved:
+        moved = False
+        if produced < n_steps and (produced < stages or produced - stages in freed):
+            copied.add(produced)
+            produced, moved = produced + 1, True
+        for c in range(consumers):
+            if done[c] < len(own[c]):
+                i = own[c][done[c]]
+                if done[c] >= 2 and i - 2 * consumers not in freed:
+                    freed.add(i - 2 * consumers)
+                    moved = True
+                if i in copied:
+                    done[c], moved = done[c] + 1, True
+    return any(done[c] < len(own[c]) for c in range(consumers))
+
+
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_fewest_stages_allowed_cannot_hang(consumers, monkeypatch):
+    """``wgmma_fits``' least ``num_stages`` for one and two consumers: the ring's model completes every K slice from
+    the fewest steps allowed up, and hangs with one stage fewer (two consumers and 3 stages hung a CUDA test)."""
+    _hopper(monkeypatch)
+    fewest = next(s for s in range(1, 9) if dispatch.wgmma_fits(
+        k.W4A16Config(64, 64, 64, 1, 4 * consumers, s, A.WGMMA), 4096, 4096, 128, CUDA, 4, torch.bfloat16) is None)
+    assert not any(_ring_hangs(n, fewest, consumers) for n in range(2 * consumers, 64))
+    if consumers == 2:
+        assert any(_ring_hangs(n, fewest - 1, consumers) for n in range(2 * consumers, 64))
 
 
 def test_default_config_without_gluon_falls_back(monkeypatch):
@@ -317,6 +364,11 @@ EDGE = [
     (192, 256, 512, 128, torch.bfloat16, torch.float16, False, k.W4A16Config(256, 64, 64, 1, 4, 4, A.WGMMA)),
     (64, 256, 512, 128, torch.float16, torch.float16, True, k.W4A16Config(256, 64, 64, 2, 4, 4, A.WGMMA)),
     (176, 256, 512, 128, torch.bfloat16, torch.float16, False, k.W4A16Config(128, 64, 128, 1, 4, 4, A.WGMMA)),
+    # two consumers (8 warps on 64 columns) taking alternate K steps: with split-K and bias; 5 steps each and the
+    # fewest stages; 4 and 3 steps (the second's odd tail), groups of 64
+    (70, 256, 512, 128, torch.bfloat16, torch.float16, True, k.W4A16Config(128, 64, 64, 2, 8, 8, A.WGMMA)),
+    (150, 200, 640, 128, torch.float16, torch.float16, False, k.W4A16Config(64, 64, 64, 1, 8, 4, A.WGMMA)),
+    (40, 256, 448, 64, torch.bfloat16, torch.bfloat16, False, k.W4A16Config(128, 64, 64, 1, 8, 4, A.WGMMA)),
 ]
 
 

@@ -26,7 +26,8 @@ class W4A16Algo(enum.Enum):
     * ``WGMMA``: Hopper only (sm_90), 4 bits, fp16/bf16 x; a Gluon kernel (``wgmma_kernels``) that tiles M and N,
       copies its inputs with TMA ``num_stages`` deep and dequantizes each K step's weight tile straight into the
       registers wgmma reads (swap AB: ``block_n`` is wgmma's M, ``block_m`` its N) while the tensor cores run the
-      previous step's wgmma; ``num_warps`` 4 or 8, each warp taking 16-row slices of the weight tile;
+      previous step's wgmma; ``num_warps`` 4 or 8, each warp taking 16-row slices of the weight tile, except 8 warps
+      on a 64-column tile: two warpgroups that take alternate K steps (``wgmma_consumers``);
     * ``DEQUANT_MATMUL``: a Triton pass writes the weight in ``x.dtype`` to a scratch ``[K, N]`` buffer, then
       ``torch.matmul`` (cuBLAS), as exllama does for large batches.
     """
@@ -169,6 +170,9 @@ RULES = (
     Rule(65, 128, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
     # at M = 192 / 256, o: 128-row tiles, 25.7 / 21.8 us vs bf16 16.6 / 17.3 (256-row: 26.6 / 26.5); q|k|v:
     # 256-row tiles, 33.7 / 27.1 vs bf16 28.3 / 24.1 (128-row: 39.0 / 31.7)
+    # o at M = 192 / 256 with two consumers on 128-row tiles (8 warps on 64 columns), 8 stages: 19.3 / 19.5 us vs bf16
+    # 16.5 / 18.9, one consumer 22.0 / 22.4 (4 stages; 8 stages: 21.0 / 21.5) (issue 23, 2026-12-07, fifth session)
+    Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 8, 8), 0, one_wave=True),
     Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0, one_wave=True),
     Rule(129, 256, (SQUARE,), _tile("wgmma", 256, 64, 64, 4, 4), 0),
     # without WGMMA (not Hopper, or its tiles do not fit): the rows below
@@ -203,18 +207,27 @@ def has_gluon() -> bool:
 _HOPPER_SMEM_BYTES = 227 * 1024  # shared memory a block may use on sm_90
 
 
+def wgmma_consumers(config: W4A16Config) -> int:
+    """Consumer warpgroups of the WGMMA kernel that take alternate K steps of a program: 2 for 8 warps on a 64-column
+    tile (a warpgroup's wgmma covers 64 weight columns, so two cannot split them), else 1 (8 warps on a wider tile
+    split its columns). Each consumer gets ``num_warps // consumers`` warps."""
+    return 2 if config.num_warps == 8 and config.block_n == 64 else 1
+
+
 def _wgmma_smem_bytes(config: W4A16Config) -> int:
-    """Shared memory of the WGMMA kernel's ring (bytes): per stage the x tile ``[block_m, block_k]`` (16-bit), the
-    packed words ``[block_k // 8, block_n]`` (int32), a row of scales (at most fp32) and of zero points (int16)."""
+    """Shared memory of the WGMMA kernel (bytes): per stage of its ring the x tile ``[block_m, block_k]`` (16-bit),
+    the packed words ``[block_k // 8, block_n]`` (int32), a row of scales (at most fp32) and of zero points (int16);
+    with two consumers the second's fp32 tile ``[block_n, block_m]``."""
     per_stage = config.block_m * config.block_k * 2 + config.block_k // 8 * config.block_n * 4 + config.block_n * 6
-    return config.num_stages * (per_stage + 16)  # + its "ready" and "empty" mbarriers
+    second = config.block_n * config.block_m * 4 if wgmma_consumers(config) == 2 else 0
+    return config.num_stages * (per_stage + 16) + second  # + each stage's "ready" and "empty" mbarriers
 
 
 def wgmma_maxnreg(config: W4A16Config) -> int:
-    """Registers a thread (``maxnreg``) the WGMMA kernel launches with: its ``num_warps`` warps of the default
-    partition and the producer's warpgroup (4 warps, of which one runs; the rest keep 24 registers a thread) share
-    the 65,536 registers of an SM, or half of them where 4 warps' ring fits twice in shared memory (two programs an
-    SM). At most 256, in steps of 8; ``warp_specialize`` then gives the default partition what the producer leaves."""
+    """Registers a thread (``maxnreg``) the WGMMA kernel launches with: its ``num_warps`` consumer warps and the
+    producer's warpgroup (4 warps, of which one runs; the rest keep 24 registers a thread) share the 65,536 registers
+    of an SM, or half of them where 4 warps' ring fits twice in shared memory (two programs an SM). At most 256, in
+    steps of 8; ``warp_specialize`` then gives the default partition what the other partitions leave."""
     registers = 32768 if config.num_warps == 4 and 2 * _wgmma_smem_bytes(config) <= _HOPPER_SMEM_BYTES else 65536
     return min(256, registers // (32 * (config.num_warps + 4)) // 8 * 8)
 
@@ -223,9 +236,10 @@ def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: tor
                dtype: torch.dtype) -> str | None:
     """Why ``W4A16Algo.WGMMA`` with ``config`` cannot run this layer (a sentence), or ``None`` when it can: a
     Hopper GPU (sm_90: wgmma) and Gluon; 4 bits and fp16/bf16 x; block_m 16-256 (wgmma's N), block_n a multiple of
-    16 * num_warps up to 256 (wgmma's M), block_k 64 or 128, 4 or 8 warps, at least 3 stages, a ring that fits in
-    shared memory (``_wgmma_smem_bytes``); every K step in one group and the K slices whole, of at least 2 steps
-    (``K % (block_k * split_k) == 0``); ``N % 8 == 0`` (TMA: 16-byte row strides of the scales and zero points)."""
+    16 * (a consumer's warps) up to 256 (wgmma's M), block_k 64 or 128, 4 or 8 warps, at least 3 stages (4 with two
+    consumers: see the kernel's docstring), shared memory that fits (``_wgmma_smem_bytes``); every K step in one group and the K slices whole, of at least 2 steps
+    a consumer (``K % (block_k * split_k) == 0``); ``N % 8 == 0`` (TMA: 16-byte row strides of the scales and zero
+    points)."""
     if device.type != "cuda" or cuda_capability(device, TUNED_CAPABILITY)[0] != 9:
         return f"WGMMA needs a Hopper (sm_90) GPU, got {device}"
     if not has_gluon():
@@ -237,20 +251,22 @@ def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: tor
         return f"WGMMA needs block_m 16-256 (wgmma's N), got {config.block_m}"
     if config.num_warps not in (4, 8):
         return f"WGMMA needs 4 or 8 warps, got {config.num_warps}"
-    if config.block_n % (16 * config.num_warps) or config.block_n > 256:
-        return (f"WGMMA needs block_n a multiple of 16 * num_warps up to 256, got {config.block_n} on "
+    consumers = wgmma_consumers(config)
+    if config.block_n % (16 * config.num_warps // consumers) or config.block_n > 256:
+        return (f"WGMMA needs block_n a multiple of 16 * num_warps up to 256 (64 on 8 warps), got {config.block_n} on "
                 f"{config.num_warps} warps")
-    if config.block_k not in (64, 128) or config.num_stages < 3:
-        return f"WGMMA needs block_k 64 or 128 and num_stages >= 3, got {config.block_k} and {config.num_stages}"
+    if config.block_k not in (64, 128) or config.num_stages < 2 + consumers:
+        return (f"WGMMA needs block_k 64 or 128 and num_stages >= {2 + consumers} ({consumers} consumer warpgroups), "
+                f"got {config.block_k} and {config.num_stages}")
     smem = _wgmma_smem_bytes(config)
     if smem > _HOPPER_SMEM_BYTES:
-        return (f"WGMMA's ring of {config.num_stages} stages needs {smem} bytes of shared memory, over "
+        return (f"WGMMA with {config.num_stages} stages needs {smem} bytes of shared memory, over "
                 f"{_HOPPER_SMEM_BYTES}")
     if group_size % config.block_k and group_size != K:
         return f"WGMMA needs group_size ({group_size}) a multiple of block_k or K ({K})"
-    if K % (config.block_k * config.split_k) or K // (config.block_k * config.split_k) < 2 or N % 8:
-        return (f"WGMMA needs K ({K}) a multiple of block_k * split_k, at least 2 K steps per slice, and N ({N}) a "
-                "multiple of 8")
+    if K % (config.block_k * config.split_k) or K // (config.block_k * config.split_k) < 2 * consumers or N % 8:
+        return (f"WGMMA needs K ({K}) a multiple of block_k * split_k, at least {2 * consumers} K steps per slice, "
+                f"and N ({N}) a multiple of 8")
     return None
 
 

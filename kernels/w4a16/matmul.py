@@ -7,7 +7,7 @@ import os
 import torch
 
 from .._launch import cdiv, load_triton_kernels
-from .dispatch import W4A16Algo, W4A16Config, default_config, wgmma_fits, wgmma_maxnreg
+from .dispatch import W4A16Algo, W4A16Config, default_config, wgmma_consumers, wgmma_fits, wgmma_maxnreg
 
 
 class _SplitKWorkspace:
@@ -181,10 +181,11 @@ def _wgmma(x, qweight, scales, zeros, group_size, bias, out, ws, locks, cfg: W4A
         x = x.clone(memory_format=torch.contiguous_format)
     mod = _kernels("wgmma_kernels", x.device)
     descs = mod.descriptors(x, qweight, scales, zeros, cfg.block_m, cfg.block_n, cfg.block_k)
+    consumers = wgmma_consumers(cfg)
     mod._w4a16_wgmma_kernel[(num_tiles, cfg.split_k)](  # one program per (output tile, K slice), tiles N-major
         *descs, bias if bias is not None else out, out, ws, locks, M, N, K, out.stride(0), HAS_BIAS=bias is not None,
         GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.num_stages,
-        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, maxnreg=wgmma_maxnreg(cfg),
+        SPLIT_K=cfg.split_k, CONSUMERS=consumers, num_warps=cfg.num_warps // consumers, maxnreg=wgmma_maxnreg(cfg),
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ by a producer warp (``gl.warp_specialize``, CUTLASS's producer/consumer split): 
 step's slot is free (its "empty" mbarrier) and issues the TMA copies of the x tile, packed words, scales and zero
 points into it (completing on the slot's "ready" mbarrier). x goes in boxes of ``min(BLOCK_M, X_BOX_ROWS)`` rows,
 and boxes wholly past M are not copied: a TMA box whose rows lie partly past the tensor takes longer the more rows lie
-past it. The warps of the default partition, every K step ``i``:
+past it. The warps of the default partition (the consumer), every K step ``i``:
 
 1. wait until one wgmma is in flight (``warpgroup_mma_wait(1)``: wgmma ``i - 2`` is done, which frees its registers)
    and free wgmma ``i - 2``'s slot for the producer;
@@ -30,6 +30,14 @@ Why a producer warp: with the copies issued by the default partition itself, its
 K step and pass six CTA-wide barriers; with the producer, about 210 and two mbarriers of their own (Triton 3.6, sm_90).
 The launch sets ``maxnreg`` (``dispatch.wgmma_maxnreg``) so the default partition gets the registers the producer
 does not use.
+
+Two consumers (``CONSUMERS = 2``, a 64-column tile on 8 warps): a second warpgroup, a worker partition, takes the odd
+K steps into an fp32 tile of its own, the default partition the even ones (each frees a slot two of its steps, four
+of the program's, after it used it), and the default partition adds the second's tile from shared memory before the
+epilogue (it needs 4 stages at least, see the kernel's docstring). With one warp a scheduler a step takes about 2.5
+times its wgmma's 256 cycles by the timings (a 64-column tile's step issues about 180 instructions a warp); two warps
+a scheduler overlap more of it, with no more programs and no split-K through memory: o (4096 x 4096) at M = 256 took 19.5 us against 21.5 with one consumer and the same ring
+(H100, BENCHMARKS.md, issue 23, 2026-12-07, fifth session).
 
 The finished tile is moved (through shared memory, which the ring no longer needs) from wgmma's layout, where a
 thread's values of one row of ``out`` are single columns 8 apart, to one where each thread holds 8 consecutive
@@ -205,15 +213,17 @@ def _producer(x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, re
 
 @gluon.jit
 def _step(x_smem, p_smem, s_smem, z_smem, ready, empty, i, acc, a_same, DT: gl.constexpr, S_DT: gl.constexpr,
-          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, L3: gl.constexpr, A: gl.constexpr):
-    """K step ``i >= 2``: wait until one wgmma is in flight (wgmma ``i - 2`` done: its registers ``a_same``), free
-    its slot (a proxy fence orders this partition's reads of it before the producer's next TMA write), dequantize
-    step ``i`` into ``a_same``'s register set while wgmma ``i - 1`` runs, issue wgmma ``i``."""
+          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, STRIDE: gl.constexpr, L3: gl.constexpr,
+          A: gl.constexpr):
+    """A warpgroup's K step ``i`` (its third or later; it takes every ``STRIDE``-th step): wait until one wgmma is in
+    flight (its wgmma of step ``i - 2 * STRIDE`` done: its registers ``a_same``), free that step's slot (a proxy
+    fence orders this partition's reads of it before the producer's next TMA write), dequantize step ``i`` into
+    ``a_same``'s register set while its previous wgmma runs, issue wgmma ``i``."""
     acc, a_same = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_same))
     if gl.num_warps() > 4:
         _barrier()  # ... in every warpgroup
     fence_async_shared()
-    mbarrier.arrive(empty.index((i - 2) % STAGES), count=1)
+    mbarrier.arrive(empty.index((i - 2 * STRIDE) % STAGES), count=1)
     slot = i % STAGES
     mbarrier.wait(ready.index(slot), phase=(i // STAGES) & 1)
     a_same = _dequant(p_smem, s_smem, z_smem, slot, DT, S_DT, BLOCK_N, BLOCK_K, L3, A)
@@ -222,33 +232,59 @@ def _step(x_smem, p_smem, s_smem, z_smem, ready, empty, i, acc, a_same, DT: gl.c
 
 
 @gluon.jit
-def _consumer(x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps, DT: gl.constexpr, S_DT: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              num_warps: gl.constexpr):
-    """The default partition's K loop: the program's fp32 tile ``[BLOCK_N, BLOCK_M]``, as a 1-tuple."""
+def _k_loop(x_smem, p_smem, s_smem, z_smem, ready, empty, first, n_steps, DT: gl.constexpr, S_DT: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+            STRIDE: gl.constexpr, num_warps: gl.constexpr):
+    """One consumer's K loop over the program's steps ``first, first + STRIDE, ... < n_steps`` (at least 2): its fp32
+    tile ``[BLOCK_N, BLOCK_M]``."""
     L3: gl.constexpr = _word_layout(BLOCK_N, BLOCK_K // 8, num_warps)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    # steps 0 and 1 (use_acc=False first: an accumulator reaching a wait defined by anything but a wgmma makes ptxas
-    # serialize every wgmma, its C7515 note), then pairs of steps, even ones in register set `a`, odd ones in `a_odd`
-    mbarrier.wait(ready.index(0), phase=0)
-    a = _dequant(p_smem, s_smem, z_smem, 0, DT, S_DT, BLOCK_N, BLOCK_K, L3, A)
-    acc = warpgroup_mma(a, x_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA),
-                        use_acc=False, is_async=True)
-    mbarrier.wait(ready.index(1), phase=0)
-    a_odd = _dequant(p_smem, s_smem, z_smem, 1, DT, S_DT, BLOCK_N, BLOCK_K, L3, A)
-    acc = warpgroup_mma(a_odd, x_smem.index(1).permute((1, 0)), acc, is_async=True)
-    for j in range(1, n_steps // 2):
-        acc, a = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, 2 * j, acc, a, DT, S_DT, BLOCK_N, BLOCK_K,
-                       STAGES, L3, A)
-        acc, a_odd = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, 2 * j + 1, acc, a_odd, DT, S_DT, BLOCK_N,
-                           BLOCK_K, STAGES, L3, A)
-    if n_steps % 2 == 1:
-        acc, a = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps - 1, acc, a, DT, S_DT, BLOCK_N, BLOCK_K,
-                       STAGES, L3, A)
+    n_own = (n_steps - first + STRIDE - 1) // STRIDE
+    # its first two steps (use_acc=False first: an accumulator reaching a wait defined by anything but a wgmma makes
+    # ptxas serialize every wgmma, its C7515 note), then pairs of steps, even ones in register set `a`, odd ones in
+    # `a_odd`
+    i = first
+    mbarrier.wait(ready.index(i % STAGES), phase=(i // STAGES) & 1)
+    a = _dequant(p_smem, s_smem, z_smem, i % STAGES, DT, S_DT, BLOCK_N, BLOCK_K, L3, A)
+    acc = warpgroup_mma(a, x_smem.index(i % STAGES).permute((1, 0)),
+                        gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA), use_acc=False, is_async=True)
+    i = first + STRIDE
+    mbarrier.wait(ready.index(i % STAGES), phase=(i // STAGES) & 1)
+    a_odd = _dequant(p_smem, s_smem, z_smem, i % STAGES, DT, S_DT, BLOCK_N, BLOCK_K, L3, A)
+    acc = warpgroup_mma(a_odd, x_smem.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+    for j in range(1, n_own // 2):
+        acc, a = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, first + 2 * j * STRIDE, acc, a, DT, S_DT,
+                       BLOCK_N, BLOCK_K, STAGES, STRIDE, L3, A)
+        acc, a_odd = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, first + (2 * j + 1) * STRIDE, acc, a_odd,
+                           DT, S_DT, BLOCK_N, BLOCK_K, STAGES, STRIDE, L3, A)
+    if n_own % 2 == 1:
+        acc, a = _step(x_smem, p_smem, s_smem, z_smem, ready, empty, first + (n_own - 1) * STRIDE, acc, a, DT, S_DT,
+                       BLOCK_N, BLOCK_K, STAGES, STRIDE, L3, A)
     acc, a, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a, a_odd))
-    return (acc,)  # a tuple: Triton 3.6 returns a partition's results as one
+    return acc
+
+
+@gluon.jit
+def _consumer(x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps, DT: gl.constexpr, S_DT: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition: the K steps ``0, CONSUMERS, ...``; its fp32 tile, as a 1-tuple (Triton 3.6 returns a
+    partition's results as one)."""
+    return (_k_loop(x_smem, p_smem, s_smem, z_smem, ready, empty, 0, n_steps, DT, S_DT, BLOCK_M, BLOCK_N, BLOCK_K,
+                    STAGES, CONSUMERS, num_warps),)
+
+
+@gluon.jit
+def _second_consumer(x_smem, p_smem, s_smem, z_smem, ready, empty, sum_smem, n_steps, DT: gl.constexpr,
+                     S_DT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                     STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The second consumer warpgroup (a worker partition, ``CONSUMERS == 2``): the odd K steps, its fp32 tile left in
+    ``sum_smem`` for the default partition to add."""
+    acc = _k_loop(x_smem, p_smem, s_smem, z_smem, ready, empty, 1, n_steps, DT, S_DT, BLOCK_M, BLOCK_N, BLOCK_K,
+                  STAGES, 2, num_warps)
+    sum_smem.store(acc)
 
 
 @gluon.jit
@@ -323,11 +359,17 @@ def _w4a16_wgmma_kernel(
     BLOCK_M: gl.constexpr,  # x rows per tile: wgmma's N, a power of two, 16-256
     BLOCK_N: gl.constexpr,  # weight columns per tile: wgmma's M, a multiple of 16 * num_warps
     BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-    num_warps: gl.constexpr,
+    CONSUMERS: gl.constexpr,  # consumer warpgroups, taking alternate K steps: 1, or 2 (num_warps each)
+    num_warps: gl.constexpr,  # of a consumer warpgroup's partition: 4, or 8 (two warpgroups splitting BLOCK_N)
 ):  # fmt: skip
     """``out = x @ dequant(W) (+ bias)`` for one ``[BLOCK_M, BLOCK_N]`` tile of ``out`` (tiles N-major: the M tiles of
     one weight tile run next to each other, so it is read from HBM once), ``program_id(1)`` taking one of ``SPLIT_K``
-    equal K slices. The host guarantees ``K % (BLOCK_K * SPLIT_K) == 0`` with at least 2 steps per slice; rows past M
+    equal K slices. The host guarantees ``K % (BLOCK_K * SPLIT_K) == 0`` with at least 2 steps per slice and
+    consumer, and ``STAGES >= 2 + CONSUMERS``. A consumer frees a step's slot at the start of its second step after
+    it (step ``t + 2 * CONSUMERS``), and the producer copies step ``t + STAGES`` into it: with ``STAGES >= 2 *
+    CONSUMERS`` that freeing step comes no later than the step copied, and the consumer that frees reaches it without
+    waiting for that copy (with two consumers and 3 stages, step ``t + 4`` can be past the freeing consumer's last
+    step, and the program's last copy would wait forever); rows past M
     (zeros, or stale values where a whole x box lies past M) and columns past N (zeros) are not stored."""
     DT: gl.constexpr = x_desc.dtype
     off_m, off_n, k_begin, n_steps = _program_tile(M, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
@@ -339,12 +381,27 @@ def _w4a16_wgmma_kernel(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
 
-    (acc,) = gl.warp_specialize([
-        (_consumer, (x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps, DT, s_desc.dtype, BLOCK_M, BLOCK_N,
-                     BLOCK_K, STAGES, num_warps)),
-        (_producer, (x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, empty, k_begin, n_steps,
-                     off_m, off_n, M, GROUP_SIZE, BLOCK_K, STAGES)),
-    ], [1], [24])  # the producer: 1 warp, 24 registers a thread
+    if CONSUMERS == 1:
+        (acc,) = gl.warp_specialize([
+            (_consumer, (x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps, DT, s_desc.dtype, BLOCK_M, BLOCK_N,
+                         BLOCK_K, STAGES, 1, num_warps)),
+            (_producer, (x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, empty, k_begin,
+                         n_steps, off_m, off_n, M, GROUP_SIZE, BLOCK_K, STAGES)),
+        ], [1], [24])  # the producer: 1 warp, 24 registers a thread
+    else:
+        sum_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
+                                             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        (acc,) = gl.warp_specialize([
+            (_consumer, (x_smem, p_smem, s_smem, z_smem, ready, empty, n_steps, DT, s_desc.dtype, BLOCK_M, BLOCK_N,
+                         BLOCK_K, STAGES, 2, num_warps)),
+            (_second_consumer, (x_smem, p_smem, s_smem, z_smem, ready, empty, sum_smem, n_steps, gl.constexpr(DT),
+                                gl.constexpr(s_desc.dtype), BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps)),
+            (_producer, (x_desc, p_desc, s_desc, z_desc, x_smem, p_smem, s_smem, z_smem, ready, empty, k_begin,
+                         n_steps, off_m, off_n, M, GROUP_SIZE, BLOCK_K, STAGES)),
+        ], [num_warps, 1], [160, 24])  # the second consumer: 160 registers a thread (the default partition gets the
+        # rest of three warpgroups' maxnreg, at most 256); the producer: 1 warp, 24
+        _barrier()
+        acc = acc + sum_smem.load(acc.type.layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
