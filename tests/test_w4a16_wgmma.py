@@ -224,6 +224,7 @@ def test_square_rows_keep_one_program_per_sm(M, N, block_m, split, monkeypatch):
     _hopper(monkeypatch)
     cfg = k.default_config(M, N, 4096, 128, CUDA, 4, torch.bfloat16)
     assert (cfg.block_m, cfg.split_k) == (block_m, split), cfg
+    assert dispatch.wgmma_consumers(cfg) == (2 if (M, N) == (256, 4096) else 1), cfg  # o at 129-256 rows: two
     assert -(-M // cfg.block_m) * -(-N // cfg.block_n) * cfg.split_k <= 132 or block_m == 256, cfg
     monkeypatch.setattr(dispatch, "num_sms", lambda device, stand_in: 264)  # twice the SMs: every one_wave row fits
     assert k.default_config(M, 6144, 4096, 128, CUDA, 4, torch.bfloat16).block_m == {32: 32, 100: 64, 256: 128}[M]
@@ -251,7 +252,8 @@ def test_default_config_leaves_wgmma_out_where_it_cannot_run(why, args, monkeypa
     (k.W4A16Config(128, 64, 64, 1, 8, 8, A.WGMMA), 4096, None),  # two consumers
     (k.W4A16Config(64, 64, 64, 1, 8, 4, A.WGMMA), 192, "at least 4 K steps"),  # two consumers: 2 steps each
     (k.W4A16Config(64, 64, 64, 1, 8, 3, A.WGMMA), 4096, "num_stages >= 4"),  # two consumers: the last copy would hang
-    (k.W4A16Config(256, 64, 64, 1, 8, 6, A.WGMMA), 4096, "bytes of shared memory"),  # the ring and the second's tile
+    (k.W4A16Config(256, 64, 64, 1, 8, 4, A.WGMMA), 4096, "needs block_m <= 128"),  # two consumers: registers
+    (k.W4A16Config(128, 64, 128, 1, 8, 6, A.WGMMA), 4096, "bytes of shared memory"),  # the ring and the second's tile
     (k.W4A16Config(64, 64, 64, 1, 4, 2, A.WGMMA), 4096, "num_stages >= 3"),
     (k.W4A16Config(256, 64, 128, 1, 4, 4, A.WGMMA), 4096, "bytes of shared memory"),  # 280,096 bytes
     (k.W4A16Config(64, 64, 64, 2, 4, 4, A.WGMMA), 128, "at least 2 K steps"),  # 1 step per slice
@@ -289,7 +291,7 @@ def _ring_hangs(n_steps: int, stages: int, consumers: int) -> bool:
 @pytest.mark.parametrize("consumers", [1, 2])
 def test_fewest_stages_allowed_cannot_hang(consumers, monkeypatch):
     """``wgmma_fits``' least ``num_stages`` for one and two consumers: the ring's model completes every K slice from
-    the fewest steps allowed up, and hangs with one stage fewer (two consumers and 3 stages hung a CUDA test)."""
+    the fewest steps allowed up; with two consumers it hangs with one stage fewer (3 stages hung a CUDA test)."""
     _hopper(monkeypatch)
     fewest = next(s for s in range(1, 9) if dispatch.wgmma_fits(
         k.W4A16Config(64, 64, 64, 1, 4 * consumers, s, A.WGMMA), 4096, 4096, 128, CUDA, 4, torch.bfloat16) is None)

@@ -44,7 +44,8 @@ class W4A16Algo(enum.Enum):
 class W4A16Config:
     """Launch configuration of ``w4a16_matmul``: a ``[block_m, block_n]`` output tile per program, K steps of
     ``block_k`` rows, ``split_k`` programs sharing each output tile (split-K), ``num_warps`` and ``num_stages`` as
-    Triton takes them, and the ``algo``, which may be given as its string value.
+    Triton takes them (``WGMMA`` with two consumers launches ``num_warps // 2`` a partition, ``wgmma_consumers``), and
+    the ``algo``, which may be given as its string value.
 
     ``block_k`` must be a multiple of ``32 // bits`` (checked at launch, with the other per-algo limits).
 
@@ -100,7 +101,8 @@ class Rule:
     """One row of ``RULES``: for ``min_m <= M <= max_m`` and a weight of one of ``shapes``, launch ``config``: its
     ``split_k`` replaced by ``split_k_for`` at ``programs_per_sm`` (which counts one row of output tiles: ``max_m <=
     config.block_m`` in those rows), or, when that is 0, kept as the rule gives it (the sweep's, for 132 SMs) but
-    lowered to the largest power of two dividing the K steps (equal K slices) that leaves at least 2 K steps a slice.
+    lowered to the largest power of two dividing the K steps (equal K slices) that leaves at least 2 K steps a slice
+    (a WGMMA consumer).
     With ``one_wave``, the row applies only where its grid (output tiles x split_k) is at most one program per SM:
     where two programs share some SMs and not others, those SMs set the time, and the next row's fewer programs (no
     split, or taller tiles) win (the WGMMA kernel's dequantization keeps an SM's CUDA cores busy with one program)."""
@@ -235,11 +237,12 @@ def wgmma_maxnreg(config: W4A16Config) -> int:
 def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: torch.device, bits: int,
                dtype: torch.dtype) -> str | None:
     """Why ``W4A16Algo.WGMMA`` with ``config`` cannot run this layer (a sentence), or ``None`` when it can: a
-    Hopper GPU (sm_90: wgmma) and Gluon; 4 bits and fp16/bf16 x; block_m 16-256 (wgmma's N), block_n a multiple of
-    16 * (a consumer's warps) up to 256 (wgmma's M), block_k 64 or 128, 4 or 8 warps, at least 3 stages (4 with two
-    consumers: see the kernel's docstring), shared memory that fits (``_wgmma_smem_bytes``); every K step in one group and the K slices whole, of at least 2 steps
-    a consumer (``K % (block_k * split_k) == 0``); ``N % 8 == 0`` (TMA: 16-byte row strides of the scales and zero
-    points)."""
+    Hopper GPU (sm_90: wgmma) and Gluon; 4 bits and fp16/bf16 x; block_m 16-256 (wgmma's N; at most 128 with two
+    consumers, whose second partition's registers hold a 128-row tile), block_n a multiple of 16 * (a consumer's
+    warps) up to 256 (wgmma's M), block_k 64 or 128, 4 or 8 warps, at least 3 stages (4 with two consumers: see the
+    kernel's docstring), shared memory that fits (``_wgmma_smem_bytes``); every K step in one group and the K slices
+    whole, of at least 2 steps a consumer (``K % (block_k * split_k) == 0``); ``N % 8 == 0`` (TMA: 16-byte row
+    strides of the scales and zero points)."""
     if device.type != "cuda" or cuda_capability(device, TUNED_CAPABILITY)[0] != 9:
         return f"WGMMA needs a Hopper (sm_90) GPU, got {device}"
     if not has_gluon():
@@ -252,6 +255,9 @@ def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: tor
     if config.num_warps not in (4, 8):
         return f"WGMMA needs 4 or 8 warps, got {config.num_warps}"
     consumers = wgmma_consumers(config)
+    if consumers == 2 and config.block_m > 128:
+        return (f"WGMMA with two consumers (8 warps on 64 columns) needs block_m <= 128, got {config.block_m}: the "
+                "second consumer's 160 registers a thread hold a 128-row fp32 tile")
     if config.block_n % (16 * config.num_warps // consumers) or config.block_n > 256:
         return (f"WGMMA needs block_n a multiple of 16 * num_warps up to 256 (64 on 8 warps), got {config.block_n} on "
                 f"{config.num_warps} warps")
@@ -334,6 +340,7 @@ def _with_split(rule: Rule, N: int, K: int, device: torch.device) -> W4A16Config
         split = split_k_for(-(-N // cfg.block_n), k_iters, num_sms(device, TUNED_NUM_SMS), rule.programs_per_sm)
     else:
         split = math.gcd(cfg.split_k, k_iters)  # the rules' splits are powers of two
-        while split > 1 and k_iters // split < 2:  # at least 2 K steps per slice (WGMMA needs them)
+        least = 2 * wgmma_consumers(cfg) if cfg.algo == W4A16Algo.WGMMA else 2
+        while split > 1 and k_iters // split < least:  # at least 2 K steps per slice and WGMMA consumer
             split //= 2
     return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)

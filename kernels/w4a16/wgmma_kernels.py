@@ -34,10 +34,11 @@ does not use.
 Two consumers (``CONSUMERS = 2``, a 64-column tile on 8 warps): a second warpgroup, a worker partition, takes the odd
 K steps into an fp32 tile of its own, the default partition the even ones (each frees a slot two of its steps, four
 of the program's, after it used it), and the default partition adds the second's tile from shared memory before the
-epilogue (it needs 4 stages at least, see the kernel's docstring). With one warp a scheduler a step takes about 2.5
-times its wgmma's 256 cycles by the timings (a 64-column tile's step issues about 180 instructions a warp); two warps
-a scheduler overlap more of it, with no more programs and no split-K through memory: o (4096 x 4096) at M = 256 took 19.5 us against 21.5 with one consumer and the same ring
-(H100, BENCHMARKS.md, issue 23, 2026-12-07, fifth session).
+epilogue (it needs 4 stages at least, see the kernel's docstring, and tiles of at most 128 rows: the second
+partition's registers). With one warp a scheduler a step takes about 2.5 times its wgmma's 256 cycles by the timings
+(a 64-column tile's step issues about 180 instructions a warp); two warps a scheduler overlap more of it, with no
+more programs and no split-K through memory: o (4096 x 4096) at M = 256 took 19.5 us against 21.5 with one consumer
+and the same ring (H100, BENCHMARKS.md, issue 23, 2026-12-07, fifth session).
 
 The finished tile is moved (through shared memory, which the ring no longer needs) from wgmma's layout, where a
 thread's values of one row of ``out`` are single columns 8 apart, to one where each thread holds 8 consecutive
@@ -365,11 +366,12 @@ def _w4a16_wgmma_kernel(
     """``out = x @ dequant(W) (+ bias)`` for one ``[BLOCK_M, BLOCK_N]`` tile of ``out`` (tiles N-major: the M tiles of
     one weight tile run next to each other, so it is read from HBM once), ``program_id(1)`` taking one of ``SPLIT_K``
     equal K slices. The host guarantees ``K % (BLOCK_K * SPLIT_K) == 0`` with at least 2 steps per slice and
-    consumer, and ``STAGES >= 2 + CONSUMERS``. A consumer frees a step's slot at the start of its second step after
-    it (step ``t + 2 * CONSUMERS``), and the producer copies step ``t + STAGES`` into it: with ``STAGES >= 2 *
-    CONSUMERS`` that freeing step comes no later than the step copied, and the consumer that frees reaches it without
-    waiting for that copy (with two consumers and 3 stages, step ``t + 4`` can be past the freeing consumer's last
-    step, and the program's last copy would wait forever); rows past M
+    consumer, and ``STAGES >= 2 + CONSUMERS`` (3 or 4). A consumer frees a step's slot at the start of its second
+    step after it (step ``t + 2 * CONSUMERS``), and the producer copies step ``t + STAGES`` into it: with ``STAGES >=
+    2 * CONSUMERS`` that freeing step comes no later than the step copied, and the consumer that frees reaches it
+    without waiting for that copy (with two consumers and 3 stages, step ``t + 4`` can be past the freeing consumer's
+    last step, and the program's last copy would wait forever; one consumer would run on 2 stages, but takes 3 for a
+    step of prefetch); rows past M
     (zeros, or stale values where a whole x box lies past M) and columns past N (zeros) are not stored."""
     DT: gl.constexpr = x_desc.dtype
     off_m, off_n, k_begin, n_steps = _program_tile(M, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
