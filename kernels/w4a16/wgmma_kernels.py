@@ -371,8 +371,8 @@ def _w4a16_wgmma_kernel(
     2 * CONSUMERS`` that freeing step comes no later than the step copied, and the consumer that frees reaches it
     without waiting for that copy (with two consumers and 3 stages, step ``t + 4`` can be past the freeing consumer's
     last step, and the program's last copy would wait forever; one consumer would run on 2 stages, but takes 3 for a
-    step of prefetch); rows past M
-    (zeros, or stale values where a whole x box lies past M) and columns past N (zeros) are not stored."""
+    step of prefetch); rows past M (zeros, or stale values where a whole x box lies past M) and columns past N
+    (zeros) are not stored."""
     DT: gl.constexpr = x_desc.dtype
     off_m, off_n, k_begin, n_steps = _program_tile(M, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
 

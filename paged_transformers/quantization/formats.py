@@ -110,10 +110,9 @@ def _pack_rows_chunked(rows, K: int, N: int, bits: int, device: torch.device) ->
     N]`` of kernel rows ``k0 .. k1``), packed ``CHUNK_VALUES`` values at a time into an output allocated first.
 
     Unpacked whole, each of a layer's ``[K, N]`` temporaries takes 8x (int32) or 16x (int64) its packed bytes, about
-    1.2-1.5 GB together for a 4096 x 14336 layer. On CUDA,
-    where a model is converted layer by layer, the caching allocator keeps those freed blocks and splits the next
-    layers' weights out of them, and the reserved memory they pin is memory the KV cache does not get (the pool is
-    sized from the device's free memory, ``core.sizing``).
+    1.2-1.5 GB together for a 4096 x 14336 layer. On CUDA, where a model is converted layer by layer, the caching
+    allocator keeps those freed blocks and splits the next layers' weights out of them, and the reserved memory they
+    pin is memory the KV cache does not get (the pool is sized from the device's free memory, ``core.sizing``).
 
     Raises:
         ValueError: ``K`` not a multiple of ``32 // bits``.
