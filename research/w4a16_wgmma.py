@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_w4a16 import graph_time_ms, random_layer, rel_err, rotating_sets  # noqa: E402
 
 from paged_transformers.kernels.w4a16 import W4A16Algo, W4A16Config, default_config, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+from paged_transformers.kernels.w4a16.dispatch import wgmma_consumers  # noqa: E402
 
 # (block_m, block_n, block_k, num_stages, num_warps): the winners of the H100 sweep of 2026-12-06 (third session) first;
 # block_m is wgmma's N (a power of two), block_n its M (16 rows per warp)
@@ -40,12 +41,12 @@ CANDIDATES = QUICK + [(256, 64, 64, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 
                       (128, 128, 64, 4, 8), (64, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 256, 64, 4, 8)]
 
 
-def splits_for(M, N, K, bm, bn, bk, sms=132):
+def splits_for(M, N, K, bm, bn, bk, consumers=1, sms=132):
     """Split-K counts to try: the powers of two from 1 up to the first that gives at least two programs per SM (at
-    most 8, dividing ``K // bk`` into slices of an even number of K steps, so at least 2)."""
+    most 8, dividing ``K // bk`` into slices of a multiple of ``2 * consumers`` K steps, so at least 2 a consumer)."""
     tiles = -(-M // bm) * -(-N // bn)
     out = [1]
-    while tiles * out[-1] < 2 * sms and out[-1] < 8 and (K // bk) % (out[-1] * 4) == 0:
+    while tiles * out[-1] < 2 * sms and out[-1] < 8 and (K // bk) % (out[-1] * 4 * consumers) == 0:
         out.append(out[-1] * 2)
     return out
 
@@ -146,7 +147,7 @@ def main() -> None:
             x = torch.randn(M, K, device=dev, dtype=dt)
             ref = w4a16_matmul_ref(x.float(), *layer, 4, 128)
             for cand in cands:
-                for split in splits_for(M, N, K, *cand[:3]):
+                for split in splits_for(M, N, K, *cand[:3], wgmma_consumers(config(cand, 1))):
                     row = dict(M=M, dtype=str(dt), cfg=str(config(cand, split)))
                     try:
                         row["rel_err"] = rel_err(w4a16_matmul(x, *layer, 4, 128, config=config(cand, split)), ref)
@@ -171,7 +172,9 @@ def main() -> None:
             for n, cand in enumerate(cands):
                 if n and time.perf_counter() - t_start > args.budget_s / (len(shapes) * len(ms)):
                     break  # (the first config always runs)
-                for split in [int(v) for v in args.splits.split(",")] if args.splits else splits_for(M, N, K, *cand[:3]):
+                splits = ([int(v) for v in args.splits.split(",")] if args.splits
+                          else splits_for(M, N, K, *cand[:3], wgmma_consumers(config(cand, 1))))
+                for split in splits:
                     cfg = config(cand, split)
                     fn = lambda i, cfg=cfg: w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, 128, config=cfg)
                     try:

@@ -201,7 +201,7 @@ CUDA = torch.device("cuda")
 
 @pytest.mark.parametrize("M,N,K,group,split", [
     (17, 6144, 4096, 128, 1), (64, 4096, 4096, 128, 2), (128, 6144, 4096, 128, 1), (256, 4096, 4096, 128, 1),
-    (17, 28672, 4096, 128, 1), (256, 28672, 4096, 128, 1), (40, 4096, 14336, 128, 4), (200, 4096, 14336, 128, 2),
+    (17, 28672, 4096, 128, 1), (256, 28672, 4096, 128, 1), (40, 4096, 14336, 128, 4), (200, 4096, 14336, 128, 1),
     (64, 64, 512, 128, 2),  # K of 4 steps: the split lowered to 2 (at least 2 steps per slice)
     (64, 384, 192, 192, 1),  # per-channel, 3 steps: no split
     (17, 6144, 4096, 64, 1), (17, 4096, 4096, 64, 2), (64, 4096, 14336, 64, 4),  # groups of 64: block_k = 64
@@ -211,6 +211,14 @@ def test_default_config_picks_wgmma_on_hopper(M, N, K, group, split, monkeypatch
     cfg = k.default_config(M, N, K, group, CUDA, 4, torch.bfloat16)
     assert cfg.algo is A.WGMMA and cfg.split_k == split, cfg
     assert group % cfg.block_k == 0 or group == K, cfg
+
+
+@pytest.mark.parametrize("M", [129, 200, 256])
+def test_down_at_129_to_256_rows_takes_two_consumers(M, monkeypatch):
+    # down (14336 x 4096): 128-row tiles with two consumers, no split (128 programs), not 256-row tiles with split 2
+    _hopper(monkeypatch)
+    cfg = k.default_config(M, 4096, 14336, 128, CUDA, 4, torch.bfloat16)
+    assert (cfg.block_m, cfg.split_k, dispatch.wgmma_consumers(cfg)) == (128, 1, 2), cfg
 
 
 @pytest.mark.parametrize("M,N,block_m,split", [

@@ -149,9 +149,10 @@ RULES = (
     Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=4), 0),
     # at M = 128: 46.3 us vs bf16 52.3, previous 48.1; 43.4 vs bf16 53.2 on 2026-12-07
     Rule(65, 128, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=4), 0),
-    # at M = 256 (2026-12-07): 69.0 us vs bf16 58.4; 128-row x tiles, split 2 (the rule before): 74.9; the epilogue
-    # of 256-row tiles with split-K no longer spills (at M = 129-256 both tile heights compute 256 rows of x)
-    Rule(129, 256, (TALL,), _tile("wgmma", 256, 64, 64, 4, 4, split_k=2), 0),
+    # at M = 192 / 256, two consumers on 128-row tiles (8 warps on 64 columns), 8 stages, no split (128 programs):
+    # 56.8 / 57.9 us vs bf16 76.5 / 58.5; 256-row tiles, one consumer, split 2 (the rule before, timed twice in the
+    # row) 56.5-56.9 / 62.5-66.2; two consumers with split 2: 70.2 / 78.2 (H100, issue 23, 2026-12-07, sixth session)
+    Rule(129, 256, (TALL,), _tile("wgmma", 128, 64, 64, 8, 8), 0),
     # 4096 x 6144 (q|k|v) / 4096 x 4096 (o), issue 23, 2026-12-07, third session (the kernel with a producer warp):
     # one program per SM at most (one_wave) where the grid allows, else fewer programs. At M = 32, o: split 2,
     # 11.6 us vs bf16 14.3 (split 4: 11.5); q|k|v: split 1, 14.4 vs bf16 20.3 (split 2: 14.9, split 4: 18.2); block_k
