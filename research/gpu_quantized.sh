@@ -3,8 +3,8 @@
 #   tests     the W4A16 CUDA tests (the WGMMA kernel against the reference; the fixtures' goldens when a copy of
 #             ../shared/fixtures' tiny models travels as .fixtures/, which is put in place first), ~4-5 min
 #   workload  the workload of record (`paged-transformers bench`, with batch-1 decode) for $WORKLOADS (default bf16
-#             gptq awq), $ROUNDS times (1; each run's files then end in _<round>), with the GPU's SM clock, power
-#             and temperature alongside, ~40 s a run
+#             gptq awq), $ROUNDS times (1; each run's files then end in _<round>), with the GPU's SM and memory
+#             clocks, power and temperature alongside, ~40 s a run
 #   profile   a decode step's kernels at 128 and 256 rows, bf16 then GPTQ (research/profile_decode.py), ~4 min
 #   w4a16     the W4A16 GEMM benchmark of record (`benchmarks/bench_w4a16.py --no-e2e`), ~2 min
 #   sweep     research/w4a16_wgmma.py at M = $MS (128,256) over $CANDS (its --cands) for $SWEEP_S seconds (220), each
@@ -18,16 +18,18 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-research/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -2  # python3's pip: the image's `pip` is another Python's
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-bench() {  # name, then the command; the GPU's SM clock (MHz), power (W) and temperature (C) logged every 0.5 s
+bench() {  # name, then the command; the GPU's SM and memory clocks (MHz), power (W) and temperature (C) every 0.5 s
   local name=$1; shift
-  nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 500 \
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 500 \
       > "$OUT/log_smi_$name.txt" 2>&1 &
   local smi=$!
   timeout 110 "$@" --output-json "$OUT/workload_$name.json" > "$OUT/log_bench_$name.txt" 2>&1
   echo "== bench $name rc=$? at ${SECONDS}s"; kill $smi
   grep -E "^paged|GPU idle|KV:|batch-1|per token" "$OUT/log_bench_$name.txt"
-  awk -F', *' '$1 ~ /^[0-9]/ {print $1, $2, $3}' "$OUT/log_smi_$name.txt" | sort -n | awk '{c[NR] = $1; p += $2; if ($3 > t) t = $3}
-      END {if (NR) printf "SM clock median %d MHz (min %d), power mean %.0f W, temperature max %d C\n", c[int((NR + 1) / 2)], c[1], p / NR, t}'
+  awk -F', *' '$1 ~ /^[0-9]/ {print $1, $2, $3, $4}' "$OUT/log_smi_$name.txt" | sort -n |
+      awk '{c[NR] = $1; if (!m || $2 < m) m = $2; p += $3; if ($4 > t) t = $4}
+      END {if (NR) printf "SM clock median %d MHz (min %d), memory clock min %d MHz, power mean %.0f W, temperature max %d C\n",
+                   c[int((NR + 1) / 2)], c[1], m, p / NR, t}'
 }
 for p in $PARTS; do case $p in
 tests)
