@@ -41,9 +41,12 @@ CANDIDATES = QUICK + [(256, 64, 64, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 
                       (128, 128, 64, 4, 8), (64, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 256, 64, 4, 8)]
 
 
-def splits_for(M, N, K, bm, bn, bk, consumers=1, sms=132):
-    """Split-K counts to try: the powers of two from 1 up to the first that gives at least two programs per SM (at
-    most 8, dividing ``K // bk`` into slices of a multiple of ``2 * consumers`` K steps, so at least 2 a consumer)."""
+def splits_for(M, N, K, cand, sms=132):
+    """Split-K counts to try for candidate ``cand``: the powers of two from 1 up to the first that gives at least two
+    programs per SM (at most 8, dividing ``K // bk`` into slices of a multiple of ``2 * consumers`` K steps, so at
+    least 2 a consumer warpgroup)."""
+    bm, bn, bk = cand[:3]
+    consumers = wgmma_consumers(config(cand, 1))
     tiles = -(-M // bm) * -(-N // bn)
     out = [1]
     while tiles * out[-1] < 2 * sms and out[-1] < 8 and (K // bk) % (out[-1] * 4 * consumers) == 0:
@@ -147,7 +150,7 @@ def main() -> None:
             x = torch.randn(M, K, device=dev, dtype=dt)
             ref = w4a16_matmul_ref(x.float(), *layer, 4, 128)
             for cand in cands:
-                for split in splits_for(M, N, K, *cand[:3], wgmma_consumers(config(cand, 1))):
+                for split in splits_for(M, N, K, cand):
                     row = dict(M=M, dtype=str(dt), cfg=str(config(cand, split)))
                     try:
                         row["rel_err"] = rel_err(w4a16_matmul(x, *layer, 4, 128, config=config(cand, split)), ref)
@@ -172,9 +175,7 @@ def main() -> None:
             for n, cand in enumerate(cands):
                 if n and time.perf_counter() - t_start > args.budget_s / (len(shapes) * len(ms)):
                     break  # (the first config always runs)
-                splits = ([int(v) for v in args.splits.split(",")] if args.splits
-                          else splits_for(M, N, K, *cand[:3], wgmma_consumers(config(cand, 1))))
-                for split in splits:
+                for split in [int(v) for v in args.splits.split(",")] if args.splits else splits_for(M, N, K, cand):
                     cfg = config(cand, split)
                     fn = lambda i, cfg=cfg: w4a16_matmul(xs[i % len(xs)], *qsets[i % n_q], 4, 128, config=cfg)
                     try:
