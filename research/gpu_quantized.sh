@@ -25,7 +25,7 @@ bench() {  # name, then the command; the GPU's SM and memory clocks (MHz), power
   local smi=$!
   timeout 110 "$@" --output-json "$OUT/workload_$name.json" > "$OUT/log_bench_$name.txt" 2>&1
   echo "== bench $name rc=$? at ${SECONDS}s"; kill $smi
-  grep -E "^paged|GPU idle|KV:|batch-1|per token" "$OUT/log_bench_$name.txt"
+  grep -E "^paged|GPU idle|KV:|CUDA graphs|batch-1|per token" "$OUT/log_bench_$name.txt"
   awk -F', *' '$1 ~ /^[0-9]/ {print $1, $2, $3, $4}' "$OUT/log_smi_$name.txt" | sort -n |
       awk '{c[NR] = $1; if (!m || $2 < m) m = $2; p += $3; if ($4 > t) t = $4}
       END {if (NR) printf "SM clock median %d MHz (min %d), memory clock min %d MHz, power mean %.0f W, temperature max %d C\n",

@@ -79,6 +79,16 @@ def test_greedy_eos_at_different_steps_and_max_tokens(llama, monkeypatch):
     assert "length" in reasons, (reasons, lengths)
 
 
+def test_length_stops_at_different_steps_keep_the_pipeline(llama):
+    """Requests that stop by length at different steps (2..12 tokens, EOS ignored): a sequence whose token in
+    flight is its last sits out the step launched next, so no step falls back to the synchronous loop. One
+    prefill step, then every step up to the 12th token is launched ahead: 11 pipelined steps."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 3, 2, 7, 12)]
+    got, engine = compare(llama, list(zip(PROMPTS, params)))
+    assert [len(got[str(i)][0][0]) for i in range(len(PROMPTS))] == [12, 3, 2, 7, 12]
+    assert engine.num_pipelined_steps == 11
+
+
 def test_min_tokens_rows_are_pipelined(llama, monkeypatch):
     """min_tokens masks EOS on the device, batched, so such rows pipeline too (they used to need host work):
     the same tokens as the synchronous loop, and EOS not sampled before min_tokens."""

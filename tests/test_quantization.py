@@ -291,7 +291,7 @@ def test_tiny_golden_half_precision(name, dtype, models):
 def test_tiny_golden_on_the_kernel(name, monkeypatch, load_released):
     """Every ``QuantLinear`` on the Triton W4A16 kernel with its default configs, against the goldens: the prompt's
     rows (M > 1) and then each decode step alone (M = 1: the GEMV). With CUDA: fp16 on the GPU, where ``QuantLinear``
-    takes the kernel itself (its custom op, left as it is for the compiled layers). Without: fp32 under the
+    takes the kernel itself (directly; through its custom op in compiled layers). Without: fp32 under the
     interpreter, with the reference that ``QuantLinear`` calls off CUDA swapped for the kernel (and its CPU weight
     cache off), counting the calls."""
     import paged_transformers.quantization.linear as quant_linear
@@ -330,6 +330,7 @@ def test_tiny_goldens_on_wgmma(name, dtype, monkeypatch, load_released):
     fused projections and CUDA graphs), fp16 and bf16, against the goldens: the 4-bit fixtures whose groups hold
     whole K steps of 64 rows (act-order g32 cannot: a K step would span two groups; 8-bit is not WGMMA's)."""
     import paged_transformers.kernels.w4a16.matmul as matmul
+    import paged_transformers.quantization.linear as quant_linear
     from paged_transformers.kernels.w4a16 import W4A16Algo, W4A16Config
 
     config = W4A16Config(64, 64, 64, 1, 4, 3, W4A16Algo.WGMMA)
@@ -339,7 +340,8 @@ def test_tiny_goldens_on_wgmma(name, dtype, monkeypatch, load_released):
         rows.append(x.shape[0])
         return product(x, qweight, scales, zeros, bits, group_size, bias, config)
 
-    monkeypatch.setattr(matmul, "w4a16_matmul", on_wgmma)  # the custom op calls it by this module global
+    monkeypatch.setattr(matmul, "w4a16_matmul", on_wgmma)  # the custom op (compiled layers) calls this module global
+    monkeypatch.setattr(quant_linear, "w4a16_matmul", on_wgmma)  # and QuantLinear its own import, eagerly
     model = load_released(name, dtype, "cuda")
     g, tol = golden(name), TOL[dtype]
     prompts = [p["input_ids"] for p in g["prompts"]]

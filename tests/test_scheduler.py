@@ -178,9 +178,10 @@ def test_random_workload_invariants(seed):
 def test_plans_advance_at_schedule_time_and_schedule_ahead_counts_placeholders():
     """A plan advances num_computed_tokens and counts each sampled token as a placeholder; the next plan can be
     made before the tokens are known (one decode token per sequence, ids unknown, only new blocks in the
-    entries) unless a sequence would stop by length with its token; update_from_output fills the placeholders."""
+    entries); a sequence that stops by length with the token being sampled sits that plan out, and when every
+    sequence does there is none; update_from_output fills the placeholders."""
     s = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
-    a, b = add(s, 4, 3, "a"), add(s, 6, 2, "b")
+    a, b = add(s, 4, 4, "a"), add(s, 6, 2, "b")
     first = s.schedule()
     assert [(e.num_computed_tokens, e.num_scheduled_tokens, e.samples, e.replace_table) for e in first.seqs] == [
         (0, 4, True, True), (0, 6, True, True)]
@@ -194,7 +195,14 @@ def test_plans_advance_at_schedule_time_and_schedule_ahead_counts_placeholders()
     assert (a.num_output_placeholders, b.num_output_placeholders) == (2, 2)
     assert s.update_from_output(first, ModelRunnerOutput({a.seq_id: 7, b.seq_id: 8}, {}, {})) == [a, b]
     assert (a.output_token_ids, b.output_token_ids, a.num_output_placeholders) == ([7], [8], 1)
-    assert s.schedule_ahead() is None  # b's next token is its 2nd and last (max_tokens=2)
+    # the engine launches the next plan before it reads `ahead`, whose token is b's 2nd and last (max_tokens=2)
+    ahead2 = s.schedule_ahead()
+    assert [(e.seq_id, e.num_computed_tokens, e.num_scheduled_tokens) for e in ahead2.seqs] == [(a.seq_id, 5, 1)]
+    assert (a.num_output_placeholders, b.num_output_placeholders, b.num_computed_tokens) == (2, 1, 7)
     s.update_from_output(ahead, ModelRunnerOutput({a.seq_id: 9}, {}, {b.seq_id: ValueError("row failed")}))
     assert a.output_token_ids == [7, 9] and b.status == SequenceStatus.FINISHED_ABORTED and str(b.error) == "row failed"
-    assert s.schedule().finished_seq_ids == (b.seq_id,)  # the runner hears of it with the next plan
+    ahead3 = s.schedule_ahead()
+    assert ahead3.finished_seq_ids == (b.seq_id,)  # the runner hears of it with the next plan
+    assert [(e.seq_id, e.num_computed_tokens) for e in ahead3.seqs] == [(a.seq_id, 6)]
+    s.update_from_output(ahead2, ModelRunnerOutput({a.seq_id: 11}, {}, {}))
+    assert s.schedule_ahead() is None  # ahead3 samples a's 4th and last token (max_tokens=4): every sequence stops

@@ -48,6 +48,12 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
               batch1_tokens: int = 64, make_engine=None) -> EngineResult:
     """The paged engine on ``requests`` (greedy, EOS ignored), after a short warm-up outside the timing.
 
+    Every decode bucket's CUDA graph is captured after the warm-up, outside the timing too
+    (``LLMEngine.capture_cudagraphs``), as the API server does before it takes requests and vLLM's ``LLM`` does at
+    start-up: the timed run is the engine's serving throughput. Lazily, each bucket's first step would capture it
+    inside the timing: host-bound time (three dummy forwards per bucket) that varies from run to run. The capture's
+    seconds and count land in ``extra["graph_capture_s"]`` and ``extra["graphs_captured"]``.
+
     ``make_engine``: returns the attached engine to run (closed at the end); default ``LLMEngine(model, config)``.
 
     With ``batch1_context``, afterwards one request of that many prompt tokens decodes ``batch1_tokens``
@@ -71,6 +77,9 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
             engine.add_request(f"warmup{i}", r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
+        t_capture = time.perf_counter()
+        graphs_captured = engine.capture_cudagraphs()
+        graph_capture_s = time.perf_counter() - t_capture
         engine.peak_num_used_blocks = 0
         if hasattr(engine, "reset_prefix_cache"):
             engine.reset_prefix_cache()  # the warm-up prompts are the workload's first ones: no free hits
@@ -110,6 +119,8 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
             assert len(out.outputs[0].token_ids) == r.output_len, (i, len(out.outputs[0].token_ids), r.output_len)
         extra = dict(
             init_s=init_s,
+            graph_capture_s=graph_capture_s,
+            graphs_captured=graphs_captured,
             num_steps=len(walls),
             kv_blocks_used=stats.peak_num_used_blocks if stats else engine.peak_num_used_blocks,
             kv_blocks_total=engine.cache.num_blocks,

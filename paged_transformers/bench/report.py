@@ -92,6 +92,9 @@ def format_table(report: dict) -> str:
     if "kv_blocks_total" in paged:
         lines.append(f"KV: {paged['kv_blocks_used']}/{paged['kv_blocks_total']} blocks used at peak, capacity "
                      f"{paged['kv_capacity_tokens']} tokens; prefix-cache hit rate {paged['prefix_cache_hit_rate']}")
+    if paged.get("graphs_captured"):
+        lines.append(f"CUDA graphs: {paged['graphs_captured']} decode buckets captured before the timed run, in "
+                     f"{paged['graph_capture_s']:.2f} s")
     so = paged.get("step_overhead", {})
     if so.get("available"):
         lines.append(f"GPU idle: {so['idle_fraction'] * 100:.1f}% of step wall time; " + "; ".join(

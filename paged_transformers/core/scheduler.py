@@ -80,12 +80,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan the next step (see the module docstring) and advance the planned sequences."""
+    def schedule(self, sit_out: frozenset[int] = frozenset()) -> SchedulerOutput:
+        """Plan the next step (see the module docstring) and advance the planned sequences. The running
+        sequences whose ids are in ``sit_out`` are left out of it (``schedule_ahead``: they stop with the
+        token being sampled)."""
         budget = self.config.max_num_batched_tokens
         entries: list[tuple[Sequence, int, int, list[BlockCopy]]] = []  # (seq, num_new, old table length, copies)
         preempted: list[Sequence] = []
-        budget = self._schedule_running(budget, entries, preempted)
+        budget = self._schedule_running(budget, entries, preempted, sit_out)
         if not preempted:  # NOTE: no admissions in a step that had to preempt: the pool is full.
             self._schedule_waiting(budget, entries)
         return self._make_plan(entries, preempted)
@@ -93,28 +95,36 @@ class Scheduler:
     def schedule_ahead(self) -> SchedulerOutput | None:
         """Plan the next step while the last planned one is still being sampled (async scheduling), or None
         when that plan could differ from the one ``schedule()`` makes after its tokens are read: some
-        sequence waits or is left out of that step, would stop by length with its token
-        (``Sequence.at_length_limit``), needs host work to sample (``Sampler.needs_host_work``), or the
-        pool lacks the blocks for every next token (``BlockManager.num_blocks_needed``: no preemption).
-        Each running sequence then computes one token: the one being sampled, whose id is on the device."""
+        sequence waits or is left out of that step, needs host work to sample (``Sampler.needs_host_work``),
+        or the pool lacks the blocks for every next token (``BlockManager.num_blocks_needed``: no
+        preemption). A sequence that stops by length with the token being sampled
+        (``Sequence.at_length_limit``) sits the plan out: the output processor ends it once that token is
+        read, whatever the token, so ``schedule()`` would leave it out too. Each other running sequence
+        computes one token: the one being sampled, whose id is on the device. None too when every
+        sequence stops."""
         running, bm = self.running, self.block_manager
         if self.waiting or not running or len(running) > self.config.max_num_batched_tokens:
             return None
-        num_blocks = 0
+        num_blocks, stopping = 0, []
         for seq in running:
-            if (seq.num_output_placeholders != 1 or seq.num_computed_tokens != seq.num_tokens
-                    or seq.at_length_limit(self.max_model_len, 1) or Sampler.needs_host_work(seq)):
+            if seq.num_output_placeholders != 1 or seq.num_computed_tokens != seq.num_tokens:
+                return None
+            if seq.at_length_limit(self.max_model_len, 1):
+                stopping.append(seq.seq_id)
+                continue
+            if Sampler.needs_host_work(seq):
                 return None
             num_blocks += bm.num_blocks_needed(seq.seq_id, seq.num_computed_tokens, 1)
-        if num_blocks > bm.num_free_blocks:
+        if num_blocks > bm.num_free_blocks or len(stopping) == len(running):
             return None
-        plan = self.schedule()
-        assert not plan.preempted_seq_ids and plan.total_num_scheduled_tokens == len(plan.seqs) == len(running), plan
+        plan = self.schedule(frozenset(stopping))
+        assert (not plan.preempted_seq_ids
+                and plan.total_num_scheduled_tokens == len(plan.seqs) == len(running) - len(stopping)), plan
         return plan
 
-    def _schedule_running(self, budget: int, entries: list, preempted: list[Sequence]) -> int:
-        """Grant the running sequences their tokens in order, preempting from the back when the pool is
-        full. Returns the budget left."""
+    def _schedule_running(self, budget: int, entries: list, preempted: list[Sequence], sit_out: frozenset[int]) -> int:
+        """Grant the running sequences not in ``sit_out`` their tokens in order, preempting from the back when
+        the pool is full. Returns the budget left."""
         # NOTE: the loop runs for every running sequence at every step: locals, and the block manager's
         # own fast path for a decode token that lands in a block the sequence holds.
         allocate_slots, tables = self.block_manager.allocate_slots, self.block_manager.block_tables
@@ -122,6 +132,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if sit_out and seq.seq_id in sit_out:
+                i += 1
+                continue
             num_new = min(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens, budget)
             old_len = len(tables.get(seq.seq_id, ()))
             granted = allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)

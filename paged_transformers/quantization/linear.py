@@ -1,15 +1,17 @@
 """``QuantLinear``: an ``nn.Linear`` replacement holding int4/int8 packed weights.
 
 Forward: gather the act-order input columns once (if any), then the fused W4A16 Triton kernel on
-CUDA for fp16/bf16 activations (through the custom op ``torch.ops.paged_transformers.w4a16_matmul``,
-so compiled decoder layers keep it as one node), else the PyTorch reference (dequantize per group,
-matmul).
+CUDA for fp16/bf16 activations, else the PyTorch reference (dequantize per group, matmul). Under
+``torch.compile`` the kernel is called through the custom op ``torch.ops.paged_transformers.w4a16_matmul``,
+so compiled decoder layers keep it as one node; eagerly (eager steps, CUDA-graph capture: one call per projection
+per layer) it is called directly, without the custom op's dispatch (about 10-35 us a call in
+PyTorch's own measurements, pytorch/pytorch#139500 and #177109).
 """
 
 import torch
 from torch import nn
 
-from ..kernels.w4a16 import dequantize_packed, w4a16_matmul_op, w4a16_matmul_ref
+from ..kernels.w4a16 import dequantize_packed, w4a16_matmul, w4a16_matmul_op, w4a16_matmul_ref
 from .formats import PackedWeight
 
 
@@ -98,7 +100,8 @@ class QuantLinear(nn.Module):
             x2 = x2.contiguous()
         args = (x2, self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.bias)
         if x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16):
-            out = w4a16_matmul_op(*args)  # a custom op: one opaque node inside compiled layers
+            # the custom op is one opaque node inside compiled layers; eagerly its dispatch is pure host overhead
+            out = w4a16_matmul_op(*args) if torch.compiler.is_compiling() else w4a16_matmul(*args)
         elif x2.is_cuda or not self.cache_dequantized_on_cpu or torch.compiler.is_compiling():
             # NOTE: under torch.compile the reference is traced into the graph (the weight cache below keys on
             # data_ptr() and mutates the module, which Dynamo would answer with a graph break per layer)
