@@ -167,10 +167,10 @@ def paged_attention_torch(
         q = query if band.rows is None else query.index_select(0, band.rows)
         q = q.view(n, width, num_heads, head_dim)
         res = _attend(q, band, key_cache, value_cache, scale, sliding_window, softcap)  # [n, Q, H, D]
-        if band.rows is None:
+        if band.rows is None:  # NOTE: reshape: the softcap path's result is a strided view, not contiguous
             if out is None:
-                return res.view(num_tokens, num_heads, head_dim)
-            out.copy_(res.view(num_tokens, num_heads, head_dim))
+                return res.reshape(num_tokens, num_heads, head_dim)
+            out.copy_(res.reshape(num_tokens, num_heads, head_dim))
         else:
             out.index_copy_(0, band.out_rows, res.reshape(n * width, num_heads, head_dim).index_select(0, band.real))
     return out

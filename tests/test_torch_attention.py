@@ -110,6 +110,17 @@ def test_decode_step_matches_the_reference(dtype):
     assert rel_err(loose, ref) < REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "window", "softcap", "window+softcap"])
+def test_sequences_of_equal_rows_match_the_reference(options):
+    """Every sequence with the same number of rows > 1 (one band, no row gathering: prefill steps of equal
+    prompts), into a given ``out`` and into a new tensor."""
+    q_lens, seq_lens = [4, 4, 4], [4, 11, 23]
+    args, ref_tables = ragged_batch(q_lens, seq_lens, 6, 2, 32, 8, torch.float32, seed=5)
+    check(args, ref_tables, torch.float32, **options)
+    ref = paged_attention_ref(*args[:3], ref_tables, *args[4:], 0.125, **options)
+    assert rel_err(paged_attention_torch(*args, 0.125, **options), ref) < REL_TOL[torch.float32]
+
+
 def test_sequences_without_rows_and_rows_past_the_batch_are_left_alone():
     """Fixed-capacity buffers: sequences with ``q_len`` 0 (``seq_len`` 0, zero block tables) are skipped and rows
     past ``query_start_loc[num_seqs]`` stay unwritten."""
