@@ -72,7 +72,7 @@ def main():
         prof.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof, stream=s).strip_dirs().sort_stats("tottime").print_stats(25)
     report["cprofile_m128_tottime"] = s.getvalue()
     print(s.getvalue()[:6000])
     with open(a.out, "w") as f:
