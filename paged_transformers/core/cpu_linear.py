@@ -25,10 +25,11 @@ also gets a copy of its weight in oneDNN's own blocked layout (``torch.ops.mkldn
 inductor's weight-pack pass makes it; no batch-size hint, which measured as fast as the best hint at 1, 8 and 64
 rows), handed to ``_linear_pointwise`` instead of the plain weight. The engine decides per call, at ``attach``
 (``RoutedLinears.weights_changed``): unchanged since a call that ran steps -> pack; written in place -> drop the
-packs. Each pack is keyed by its weight's ``(data_ptr, _version, shape)`` at pack time, checked at every product:
-a weight changed since (in place, or replaced) takes the plain route, so a stale pack is never read. Writes through
-``.data`` bypass the version counter (``weights.py``): after them call ``engine.reset_prefix_cache()``, which drops
-the packs too, or ``paged_transformers.release(model)``.
+packs. The engine's check sees every change of values between calls, also writes through ``.data`` and fused
+optimizers, which leave the version counter alone (``weights.py``'s checksums). Each pack is keyed by its weight's
+``(data_ptr, _version, shape)`` at pack time and by the weights' generation (``RoutedLinears.generation``, moved by
+every change the engine reports), checked at every product: a weight changed since takes the plain route, so a
+stale pack is never read, also should a pack outlive the change.
 """
 
 import contextlib
@@ -61,6 +62,8 @@ class RoutedLinears:
     Attributes:
         num_packed_products: products that read a packed weight (a counter; tests and benchmarks read it).
         num_packs: times the weights were packed.
+        generation: changes of the weights reported to ``weights_changed``; a pack reads its weight only in the
+            generation it was made in.
     """
 
     def __init__(self, model: torch.nn.Module, prepack: bool | None = None):
@@ -76,6 +79,7 @@ class RoutedLinears:
         self.num_steps = 0  # routed forwards run (the policy packs only after a call that ran steps)
         self.num_packs = 0
         self.num_packed_products = 0
+        self.generation = 0
         if prepack:
             self.pack()
 
@@ -99,10 +103,11 @@ class RoutedLinears:
         Written in place (an optimizer step between calls) -> drop the packs, freeing their memory, so an RL loop
         never packs; with ``prepack=True``, pack again. ``prepack=False``: nothing. Packing takes about 0.33 s
         for SmolLM2-135M on one thread."""
+        if change is not WeightsChange.NONE:
+            self.generation += 1
+            self.drop()
         if self.prepack is False:
             return
-        if change is not WeightsChange.NONE:
-            self.drop()
         if self.packed_routes is None and (self.prepack or (change is WeightsChange.NONE and self.num_steps > 0)):
             self.pack()
 
@@ -115,7 +120,8 @@ class RoutedLinears:
                 weight = module.weight
                 if not weight.is_inference():
                     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-                    forward = _packed_forward(self, module, packed, (weight.data_ptr(), weight._version, weight.shape))
+                    key = (weight.data_ptr(), weight._version, weight.shape, self.generation)
+                    forward = _packed_forward(self, module, packed, key)
                     nbytes += weight.numel() * weight.element_size()
                 routes.append((module, forward))
         self.packed_routes, self.packed_nbytes = routes, nbytes
@@ -127,14 +133,16 @@ class RoutedLinears:
 
 
 def _packed_forward(routes: RoutedLinears, module: torch.nn.Linear, packed: torch.Tensor, key: tuple):
-    """``module``'s forward reading ``packed`` (its weight at pack time, ``key = (data_ptr, _version, shape)``) while
-    the weight still matches ``key``; the plain route (``_forward``) otherwise."""
+    """``module``'s forward reading ``packed`` (its weight at pack time, ``key = (data_ptr, _version, shape,
+    generation)``) while the weight and ``routes.generation`` still match ``key``; the plain route (``_forward``)
+    otherwise."""
     linear = torch.ops.mkldnn._linear_pointwise
     out_features = packed.shape[0]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight = module.weight
-        if (weight.data_ptr(), weight._version, weight.shape) != key or x.dtype != torch.float32 or x.numel() == 0:
+        now = (weight.data_ptr(), weight._version, weight.shape, routes.generation)
+        if now != key or x.dtype != torch.float32 or x.numel() == 0:
             return _forward(module, x)
         routes.num_packed_products += 1
         return linear(x.reshape(-1, x.shape[-1]), packed, module.bias, "none", [], "").view(*x.shape[:-1], out_features)

@@ -36,7 +36,7 @@ from ..sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import SequenceStatus, fan_out
 from .sizing import model_compute_dtype, model_kv_shape, num_kv_blocks
-from .weights import WeightsSnapshot
+from .weights import WeightsFingerprint, WeightsSnapshot
 
 __all__ = ["LLMEngine", "check_loaded_model", "run_engine"]
 
@@ -142,6 +142,7 @@ class LLMEngine(EngineLifecycle):
         self.peak_num_used_blocks = 0
         self.num_pipelined_steps = 0  # steps launched before the previous step's tokens were read
         self._weights = WeightsSnapshot.take(model)  # after fusion: fusing moves the projections' storage
+        self._fingerprint = WeightsFingerprint.take(model)  # the checksums the next attach() compares with
 
     def _make_pool(self, device: torch.device, dtype: torch.dtype) -> float:
         """Size and allocate the KV pool (``self.cache``). Returns the sizing time in seconds.

@@ -13,7 +13,7 @@ import torch
 
 from .attention import ATTENTION_NAME, install_step_hooks
 from ..integration.compat import attn_implementation
-from .weights import StaleWeightsError, WeightsChange, WeightsSnapshot
+from .weights import StaleWeightsError, WeightsChange, WeightsFingerprint, WeightsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,11 @@ class EngineLifecycle:
     def attach(self) -> None:
         """Install the engine in the model for a call: our attention implementation, the compiled forwards, the
         fused projection modules and the step hooks (cheap swaps of objects the engine keeps: nothing is
-        recompiled or captured again). Checks the weights against the snapshot of ``detach()``: written in place
-        since then (an optimizer step, ``load_state_dict``) -> the prefix cache is dropped (its K/V came from the
-        old weights); the EOS ids are read again from the model's generation config (and the tokenizer).
-        Idempotent.
+        recompiled or captured again). Checks the weights (``weights.py``) against the snapshot of ``detach()`` and
+        the checksums of the previous ``attach()`` (one read of every weight): written in place since then (an
+        optimizer step, ``load_state_dict``, a write through ``.data``) -> the prefix cache and the copies derived
+        from the weights are dropped (``runner.weights_changed``); the EOS ids are read again from the model's
+        generation config (and the tokenizer). Idempotent.
 
         Raises:
             RuntimeError: the engine is closed.
@@ -61,6 +62,12 @@ class EngineLifecycle:
         if change is WeightsChange.REPLACED:
             raise StaleWeightsError(f"the model's weights were replaced since this engine last ran ({detail}); "
                                     "close it and build a new one")
+        # the checksums see what the version counters miss (writes through .data, fused optimizers): weights.py
+        fingerprint = WeightsFingerprint.take(self.model, self._fingerprint)
+        changed_values = self._fingerprint.compare(fingerprint)
+        self._fingerprint = fingerprint
+        if change is WeightsChange.NONE and changed_values:
+            change, detail = WeightsChange.UPDATED, changed_values
         self._install()
         self.runner.attach()
         eos = eos_token_ids(self.model, self.tokenizer)

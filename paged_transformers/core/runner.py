@@ -27,6 +27,7 @@ from ..integration.compat import attn_implementation
 from .input_batch import InputBatch
 from .kv_pool import KVPool
 from .messages import SchedulerOutput
+from ..quantization.linear import QuantLinear
 from .weights import WeightsChange
 
 logger = logging.getLogger(__name__)
@@ -340,9 +341,17 @@ class ModelRunner:
 
     def weights_changed(self, change: WeightsChange) -> None:
         """How the weights changed since the previous call (``LLMEngine.attach``, once per call): the packed CPU
-        weights are made or dropped by their policy (``cpu_linear.RoutedLinears.weights_changed``)."""
+        weights are made or dropped by their policy (``cpu_linear.RoutedLinears.weights_changed``); on a change,
+        the dequantized weights ``QuantLinear`` keeps on the CPU (the model's and the fused projections') are
+        dropped. The fused projections, compiled layers and CUDA graphs read the weights' own storage: nothing
+        else is a copy."""
         if self.cpu_linears is not None:
             self.cpu_linears.weights_changed(change)
+        if change is not WeightsChange.NONE:
+            for module in self.model.modules():
+                for linear in (module, getattr(module, "fused", None)):  # a FusedLinearSlice's fused module
+                    if isinstance(linear, QuantLinear):
+                        linear.drop_dequantized()
 
     def drop_packed_weights(self) -> None:
         """Free the packed CPU weights, if any (engine ``sleep``, ``close``, ``reset_prefix_cache``); the next call

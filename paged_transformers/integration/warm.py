@@ -19,10 +19,10 @@ Policies:
   calling ``generate()`` on one model run one after the other. During a call the model runs the paged
   attention, so a plain forward from another thread raises instead of computing without the cache. A call
   from inside a call on the same model (a logits processor calling ``generate()``) raises RuntimeError.
-- **Weights.** Checked once per call, at attach (``weights.py``): written in place since the last call (an
-  optimizer step, ``load_state_dict``) -> the prefix cache is dropped; replaced, moved or re-typed
-  (``model.to``, ``param.data = ...``) -> the engine is rebuilt with its config (logged at info). Writes through
-  ``.data`` are invisible: call ``engine_for(model).reset_prefix_cache()`` or ``release(model)`` after them.
+- **Weights.** Checked once per call, at attach (``weights.py``: version counters and a checksum of every
+  weight): written in place since the last call (an optimizer step, fused or not, ``load_state_dict``, a write
+  through ``.data``, a merged adapter) -> the prefix cache and the packed CPU weights are dropped; replaced, moved
+  or re-typed (``model.to``, ``param.data = ...``) -> the engine is rebuilt with its config (logged at info).
 - **Memory.** ``release(model)`` closes the engine (KV pool, graphs, compiled forwards and fused weights given
   back); ``engine_for(model).sleep()`` frees the KV pool and graphs only, and the next call wakes it up. Release
   before moving the model to another device (``model.cpu()`` to free the GPU): until the next call rebuilds it,

@@ -5,7 +5,7 @@ CUDA for fp16/bf16 activations, else the PyTorch reference (dequantize per group
 ``torch.compile`` the kernel is called through the custom op ``torch.ops.paged_transformers.w4a16_matmul``,
 so compiled decoder layers keep it as one node; eagerly (eager steps, CUDA-graph capture: one call per projection
 per layer) it is called directly, without the custom op's dispatch (about 10-35 us a call in
-PyTorch's own measurements, pytorch/pytorch#139500 and #177109).
+PyTorch's own measurements, pytorch/pytorch#139500 and pytorch/pytorch#177109).
 """
 
 import torch
@@ -111,6 +111,12 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias.to(x2.dtype)
         return out.reshape(*lead, self.out_features)
+
+    def drop_dequantized(self) -> None:
+        """Forget the reference path's dequantized weight (``_cpu_weight``), which is keyed by the buffers'
+        addresses only: after an in-place write to ``qweight``, ``scales`` or ``zeros`` (the engine calls it when
+        the weights changed, ``ModelRunner.weights_changed``)."""
+        self._cpu_cache = None
 
     def _cpu_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The reference path's dequantized ``[K, N]`` weight (permuted rows), kept after first use."""
