@@ -3,7 +3,7 @@
 The roofline is analytic (``workload_roofline``): every request runs concurrently; prefill is bound
 by the matmul rate; decode step ``k`` reads the weights once plus each active request's KV and is
 bound by the copy bandwidth (or the matmul rate, whichever is slower). Both ceilings are measured
-on the device first (``measure_device_peaks``), per METHOD.md's "two numbers first".
+on the device first (``measure_device_peaks``), so the bound is what this device reaches, not its datasheet.
 """
 
 import numpy as np

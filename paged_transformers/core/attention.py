@@ -93,7 +93,7 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> Attentio
     return AttentionOps(reshape_and_cache, paged_attention, graph_capturable=True)
 
 
-@torch.compiler.disable  # the split point of compiled decoder layers (compile.py): never traced
+@torch.compiler.disable  # the split point of compiled decoder layers (``compilation.layers``): never traced
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -1,7 +1,7 @@
 """Parse a checkpoint's quantization settings (``quantization_config`` in config.json, or
 ``quantize_config.json``) into a ``QuantizationConfig``; refuse formats we do not read.
 
-Supported (see DESIGN.md, "Quantized checkpoints"):
+Supported:
 
 * GPTQ v1 (``quant_method: gptq``, ``checkpoint_format``/``format`` ``gptq``, as GPTQModel, AutoGPTQ
   and optimum write it): bits 4 or 8, any ``group_size`` (-1 = per channel), ``desc_act``, sym/asym.
