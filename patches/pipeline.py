@@ -6,7 +6,7 @@ its KV pool and ``max_num_seqs`` bound what runs at once, and continuous batchin
 ``patch()`` a pipeline called on a list hands the whole list to one ``generate()`` call (the pipeline's own
 preprocessing, padding and postprocessing unchanged), and the engine schedules all its prompts together. Each
 prompt's tokens do not depend on the batch it runs in, so the results are those of the per-batch calls.
-H200, Llama-3-8B shape, 64 prompts at ``batch_size=8``: BENCHMARKS.md ("Issue 18").
+The speed-up on 64 prompts at ``batch_size=8``: BENCHMARKS.md, the entry points as users call them.
 
 The whole list goes in one call only where the engine will serve it: a list of more than one prompt (or chat), a
 tokenizer that left-pads and has a pad token (what batching needs), and neither beam search nor a streamer asked

@@ -1,9 +1,9 @@
 """Row argmax for greedy decoding and the sampler's exponential-race draw: ``argmax_rows`` (two Triton kernels) and
 its reference ``torch.argmax(x, dim=-1)``.
 
-Why a kernel: PyTorch reduces one row of a 128,256-entry vocabulary with one thread block; on an H200 that took
-28 us of each batch-1 decode step (``profile_decode.py``, Llama-3-8B shape), about 0.6% of the step. Splitting the
-row over ``cdiv(V, BLOCK)`` programs and merging their (value, index) pairs in a second launch reads it at
+Why a kernel: PyTorch reduces one row of a 128,256-entry vocabulary with one thread block, so at batch 1 one
+multiprocessor reads the whole row (about 0.6% of a Llama-3-8B batch-1 decode step, ``research/profile_decode.py``).
+Splitting the row over ``cdiv(V, BLOCK)`` programs and merging their (value, index) pairs in a second launch reads it at
 bandwidth. The same split-then-merge shape as the split-KV decode attention (``paged_attention``).
 """
 

@@ -2,8 +2,8 @@
 ``gemv_ref``.
 
 At M = 1 a projection reads its whole weight to make one row of output, so its time is the weight's bytes over
-the memory bandwidth. cuBLAS reaches 3.1-4.1 TB/s on the projections of a Llama-3-8B layer (H200, M = 1:
-docs/benchmark-history.md), short of the 4.2 TB/s copy bandwidth on the smaller ones (q|k|v, o). This kernel streams
+the memory bandwidth. cuBLAS stays short of the copy bandwidth on the smaller projections of a Llama-3-8B layer
+(q|k|v, o; docs/benchmark-history.md). This kernel streams
 the weight in its ``nn.Linear`` layout ``[N, K]`` (rows contiguous along K), ``BLOCK_N`` rows per program over all of
 K: no split-K and no second reduction kernel, and enough programs (``N / BLOCK_N``, hundreds) to keep every SM
 loading. Each step is 16-byte loads of a ``[BLOCK_N, BLOCK_K]`` weight tile and FMAs into an elementwise fp32
@@ -50,14 +50,14 @@ class GemvConfig:
 
 
 DEFAULT_GEMV_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4)
-"""The configuration of ``default_gemv_config`` below 16,384 rows. In the H200 sweep of ``research/bench_gemv.py``
-(13 configs, Llama-3-8B projections; docs/benchmark-history.md) it was the fastest on q|k|v and within 0.1-1.3 us of
-the best config of each other shape; configs with 64 weights per thread per step were up to 1.7x slower."""
+"""The configuration of ``default_gemv_config`` below 16,384 rows. In the sweep of ``research/bench_gemv.py``
+(13 configs, Llama-3-8B projections; docs/benchmark-history.md) it was the fastest on q|k|v and close to the best
+config of each other shape; configs with 64 weights per thread per step were up to 1.7x slower."""
 
 WIDE_GEMV_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4)
-"""The configuration of ``default_gemv_config`` from 16,384 rows on: in both H200 sweeps (fourth and sixth sessions,
-docs/benchmark-history.md) it beat ``DEFAULT_GEMV_CONFIG`` on gate|up (28672 x 4096: 55.3 vs 56.6 us, 55.2 vs 55.6
-us) and on the LM head (128256 x 4096: 237.1 vs 241.7 us, 236.6 vs 242.7 us), and lost on every smaller projection."""
+"""The configuration of ``default_gemv_config`` from 16,384 rows on: in both sweeps of ``research/bench_gemv.py``
+(docs/benchmark-history.md) it beat ``DEFAULT_GEMV_CONFIG`` on gate|up (28672 x 4096) and on the LM head
+(128256 x 4096), by up to 2.5%, and lost on every smaller projection."""
 
 
 def default_gemv_config(N: int, K: int) -> GemvConfig:

@@ -36,10 +36,10 @@ from .._launch import cdiv, check_device, load_triton_kernels, next_power_of_2, 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # Flash-decoding split heuristic: aim for SPLIT_PROGRAMS_PER_SM programs per multiprocessor, but give
-# each split at least MIN_KEYS_PER_SPLIT keys (fewer would spend more on the merge than they save). 192: the
-# batch-1 decode of issue 4 (context 512, graphs captured with the bound 1536) ran attention + merge in 6.5 us with
-# the 8 splits it gives against 7.8 us with 256's 6 (H200, ``bench_kernels.py --batch1-sweep``; 8 splits of 64-key
-# tiles put one tile in each split, 6 left 2 splits idle).
+# each split at least MIN_KEYS_PER_SPLIT keys (fewer would spend more on the merge than they save). 192: a batch-1
+# decode at context 512, with graphs captured for the bound 1536, gets 8 splits of 64-key tiles, one tile in each
+# split; 256 gives 6 splits, 2 of them idle, and attention + merge took about 20% longer
+# (``bench_kernels.py --batch1-sweep``).
 SPLIT_PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 192
 MAX_KV_SPLITS = 128
@@ -58,7 +58,7 @@ class KernelConfig:
     ``prefetch_block_ids`` loads the next KV tile's block ids one iteration ahead, which lets Triton's
     pipeliner keep ``num_stages`` K/V buffers in flight (without it: 2 buffers and a wait for every copy
     at each tile; see ``triton_kernels._attend_tiles``). ``fma_scores`` applies the softmax scale
-    inside the exponent (one FFMA per score). The H200 sweep (``bench_kernels.py --prefill-sweep``) chose
+    inside the exponent (one FFMA per score). The prefill sweep (``bench_kernels.py --prefill-sweep``) chose
     both for the prefill tiles of ``pick_config``.
     """
 
@@ -75,15 +75,14 @@ def pick_config(max_query_len: int, num_queries_per_kv: int, head_dim: int, dtyp
 
     Decode (``max_query_len * G <= 16``) gets 16 rows, the smallest ``tl.dot`` tile; prefill gets
     128 rows (64 for head_dim > 128 or fp32, to stay within registers and shared memory; 32 for fp32 with
-    head_dim > 128, whose ieee-precision dots unroll into FMAs: the 64-row kernel took 41 s to compile for sm_90,
-    the 32-row one 14 s (Triton 3.9 on the 2-core CI machine), and the GPU test runs stalled in that compile).
+    head_dim > 128, whose ieee-precision dots unroll into FMAs: the 64-row kernel takes about 3x as long to compile
+    for sm_90 as the 32-row one, long enough to stall the GPU test runs).
 
-    NOTE: fp16/bf16 with head_dim <= 128 use the best configs of the H200 sweep of 2026-11-29
-    (``bench_kernels.py``; BENCHMARKS.md, "Config sweep" and "Second session"): 128-row prefill tiles with
-    32-key tiles, 4 warps, 3 stages, block ids prefetched a tile ahead and the scale inside the exponent
-    (0.788 ms on 8 x 2048 causal, against 0.864 ms for 4 stages without the two options); smaller
-    tiles with 64-key tiles, 4 warps, 2 stages (decode B=64 x 4096: 98.3% of copy bandwidth against
-    90.7% with 3 stages; B=1 x 32k: 74.7% against 60.9%). Rows of 32 and 64 were not swept.
+    NOTE: fp16/bf16 with head_dim <= 128 use the best configs of the config sweep of ``bench_kernels.py``
+    (docs/benchmark-history.md, "Attention kernels"): 128-row prefill tiles with 32-key tiles, 4 warps, 3 stages,
+    block ids prefetched a tile ahead and the scale inside the exponent (about 9% less time on 8 x 2048 causal than
+    4 stages without the two options); smaller tiles with 64-key tiles, 4 warps, 2 stages (nearer the copy
+    bandwidth than 3 stages, at decode batch 64 x 4096 and at batch 1 x 32k). Rows of 32 and 64 were not swept.
     """
     d_pad = next_power_of_2(head_dim)
     wide = d_pad > 128 or dtype == torch.float32
@@ -212,8 +211,8 @@ def plan_launches(max_query_len: int, num_queries_per_kv: int, head_dim: int, dt
     compiled when first seen, so shapes picked per batch would compile in the middle of serving (0.5-1 s each), while
     a batch whose longest chunk is 5-16 rows is rare and its attention a small part of its step.
     NOTE: one launch with prefill tiles for a mixed batch made each decode token fill a 128-row tile
-    (1 valid row of 32 query rows): measured 0.68 ms for 1 prefill of 2048 + 63 decodes at 4096 on an
-    H200, against 0.44 ms for the two launches (BENCHMARKS.md).
+    (1 valid row of 32 query rows): 1 prefill of 2048 + 63 decodes at 4096 took about 1.5x the time of the two
+    launches (docs/benchmark-history.md).
     """
     decode = pick_config(1, num_queries_per_kv, head_dim, dtype)
     decode_q = decode.block_m // num_queries_per_kv

@@ -156,8 +156,8 @@ def _w4a16_gemv_kernel(
     BLOCK_N)`` and K slice ``pid_k`` of ``SPLIT_K``; a 1-D fp32 accumulator, reduced over the tile's rows every
     K step (in-thread when the tile's rows all sit in one thread: ``BLOCK_N = 128 * num_warps``).
 
-    It takes 1.37-1.55x the time of a kernel that only reads the same bytes (docs/benchmark-history.md, round 8):
-    what is left is the per-weight work of ``_gemv_step``, not the loads."""
+    It takes 1.37-1.55x the time of a kernel that only reads the same bytes (docs/benchmark-history.md, "the read
+    floor"): what is left is the per-weight work of ``_gemv_step``, not the loads."""
     PACK: tl.constexpr = 32 // BITS
     tl.static_assert(BLOCK_K % PACK == 0)
     tl.static_assert(GROUP_SIZE % PACK == 0)

@@ -37,8 +37,8 @@ of the program's, after it used it), and the default partition adds the second's
 epilogue (it needs 4 stages at least, see the kernel's docstring, and tiles of at most 128 rows: the second
 partition's registers). With one warp a scheduler a step takes about 2.5 times its wgmma's 256 cycles by the timings
 (a 64-column tile's step issues about 180 instructions a warp); two warps a scheduler overlap more of it, with no
-more programs and no split-K through memory: o (4096 x 4096) at M = 256 took 19.5 us against 21.5 with one consumer
-and the same ring (H100, BENCHMARKS.md, issue 23, 2026-12-07, fifth session).
+more programs and no split-K through memory: o (4096 x 4096) at M = 256 took about 9% less time than with one
+consumer and the same ring (docs/benchmark-history.md).
 
 The finished tile is moved (through shared memory, which the ring no longer needs) from wgmma's layout, where a
 thread's values of one row of ``out`` are single columns 8 apart, to one where each thread holds 8 consecutive
@@ -421,7 +421,7 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
-# Rows of x per TMA box. A box partly past M is slower the more of its rows lie past M (BENCHMARKS.md, issue 23): with
+# Rows of x per TMA box. A box partly past M is slower the more of its rows lie past M (docs/benchmark-history.md): with
 # 64-row boxes at most 48 rows of one box lie past M where batches are multiples of 16 rows (the decode graphs), which
 # cost about 1 us on a 256-row tile; 16-row boxes, which would leave none, measured slower at every row count.
 X_BOX_ROWS = 64

@@ -71,7 +71,7 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
         # NOTE: Triton compiles a kernel variant on first use of each specialization (e.g. sizes divisible by 16 or
         # not), seconds in all: 32 requests of 8 tokens give prefill, chunked-prefill and mixed steps of the
         # workload's own shapes. With 8 requests of 4 tokens the first engine of a process ran ~12% slower than
-        # the later ones (H200, issue 4's sweep).
+        # the later ones (docs/benchmark-history.md).
         warm = requests[: min(32, len(requests))]
         for i, r in enumerate(warm):
             engine.add_request(f"warmup{i}", r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -113,9 +113,9 @@ async def _run_rate(base_url: str, model: str, requests: list[BenchRequest], rat
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    # NOTE: aiohttp, as vLLM's benchmark client. httpx's streaming client took 210-240 us of client CPU per SSE event
-    # against aiohttp's 53-65 (256 streams of a tiny model on a CPU server, 2026-12-02): one client core then caps a
-    # run at about 4,000 events/s, under what the server sends
+    # NOTE: aiohttp, as vLLM's benchmark client. httpx's streaming client spent about 4x aiohttp's client CPU per SSE
+    # event (256 streams of a tiny model on a CPU server): one client core then caps a run at about 4,000 events/s,
+    # under what the server sends
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     async with aiohttp.ClientSession(base_url=base_url, connector=connector, headers=headers, read_bufsize=2**20,
                                      timeout=aiohttp.ClientTimeout(total=None)) as http:  # fmt: skip
@@ -140,8 +140,8 @@ def run_clients(base_url: str, model: str, requests: list[BenchRequest], rate: f
     """One rate's run from ``num_processes`` client processes (``multiprocessing`` spawn), each sending every
     ``num_processes``-th request as a Poisson process of ``rate / num_processes`` (together a Poisson process of
     ``rate``) under its share of ``max_concurrency``; they start together (a barrier). One asyncio client process
-    sends a burst of 1,024 streamed requests over about 1.5 s and reads no response before it is done (H200 host,
-    2026-12-03), which is then the ramp the server sees; several share that work.
+    sends a burst of 1,024 streamed requests over about 1.5 s and reads no response before it is done, which is then
+    the ramp the server sees; several share that work.
 
     Returns:
         ``(results in the order of requests, duration_s from the first process's start to the last one's end,

@@ -5,8 +5,8 @@ Eager, a transformers Llama decoder layer runs some forty kernels per step: each
 mean, rsqrt, two multiplies), the rotary embedding of q and of k ten more, q, k, v, gate and up one GEMM each, and
 SiLU, the product and the residual adds one each, with a round trip through memory between any two. ``torch.compile``
 (``layers.py``) fuses the small ops into a few Triton kernels and, with ``fusion.py``, computes q|k|v and gate|up as
-one GEMM each, but Dynamo and Inductor take most of a cold engine start (H200, Llama-3-8B shape, torch 2.11: about
-14 of its 20.6-20.8 s). This module gives the layers the compiled layers' kernel sequence without a compiler, as
+one GEMM each, but Dynamo and Inductor take most of a cold engine start (about two thirds of it at the Llama-3-8B
+shape). This module gives the layers the compiled layers' kernel sequence without a compiler, as
 vLLM and SGLang define their Llama models (``QKVParallelLinear``, ``fused_add_rms_norm``,
 ``rotary_embedding``, ``silu_and_mul``)::
 
@@ -16,8 +16,8 @@ vLLM and SGLang define their Llama models (``QKVParallelLinear``, ``fused_add_rm
 seven kernels of ours (``kernels.layer_ops``, the cache write, the attention), the last residual add and four GEMMs
 per layer; at one row each GEMM is the Triton GEMV, as in the compiled layers (``gemv_routing.project``). The final
 norm uses the same RMSNorm kernel; the rotary embedding's cos/sin and the LM head run the model's own code (the
-compiled path compiles them: ``layers.outer_modules``' NOTE puts the eager rotary and norm at about 20 us of a 4.5 ms
-batch-1 step on an H200 together, and cuBLAS's LM head at 10 us over the GEMV's). Every op rounds to the model dtype
+compiled path compiles them: ``layers.outer_modules``' NOTE puts the eager rotary and norm together at about 0.5% of
+a Llama-3-8B batch-1 step, and cuBLAS's LM head slightly slower than the GEMV). Every op rounds to the model dtype
 where the eager code does, so the results are the eager layers' up to the order of the RMSNorm sum and of the GEMMs'
 reductions.
 
@@ -28,10 +28,8 @@ which are called as modules and keep them), and q|k|v and gate|up fused in every
 ``unsupported`` says why not. Installed and removed by ``Compilation.fuse_layers`` / ``restore`` / ``undo``, so
 between engine calls the model runs its own forward.
 
-NOTE (BENCHMARKS.md, issue 18, 2026-12-06; Llama-3-8B shape, bf16, torch 2.11, triton 3.6): against the compiled
-layers on empty compile caches, one H100 process each, the engine built in 4.6 s instead of 18.0 s and decoded at
-6.01 / 7.53 ms per step at batch 1 / 64 against 5.97 / 7.64; the workload of record ran at 6,086 output tok/s
-against 5,542 in the same call (batch-1 decode 1.4% slower there: 5.97 vs 5.89 ms). Hence the default for these
+NOTE: against the compiled layers on empty compile caches (Llama-3-8B shape, bf16), the engine builds about 4x
+faster and decodes as fast, within 1.5% at batch 1 and 64 (docs/benchmark-history.md). Hence the default for these
 layer classes.
 """
 

@@ -4,8 +4,8 @@
 A decoder layer computes three projections of one input for attention (``q_proj``, ``k_proj``,
 ``v_proj``) and two for the MLP (``gate_proj``, ``up_proj``). At decode batch sizes each is a GEMV that
 reads its weight once; one GEMV over the concatenated weight ``[sum(out_features), in_features]`` reads
-the same bytes in one launch, with fewer, fuller waves (H200, Llama-3-8B shape, M=1: q|k|v 23.5 us fused
-vs 39.6 us separate; gate|up 68.5 vs 81 us; BENCHMARKS.md). vLLM gets this by defining its models with a
+the same bytes in one launch, with fewer, fuller waves (Llama-3-8B shape, M = 1: q|k|v fused in about 40% less
+time than separate; docs/benchmark-history.md). vLLM gets this by defining its models with a
 ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and splitting the output in the attention forward.
 
 We keep transformers' forward code and instead swap each projection module for a ``FusedLinearSlice``:

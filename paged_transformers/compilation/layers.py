@@ -13,8 +13,8 @@ embeddings, the RMSNorms and the LM head outside the layers (``outer_modules``) 
 each.
 
 Inductor runs with ``combo_kernels`` (independent kernels of a graph horizontally fused into one launch: the rotary
-embeddings of q and of k become one kernel; H200, Llama-3-8B shape: 447 -> 415 kernels and -29 us of device time
-per batch-1 decode step, -115 us at batch 256) and with
+embeddings of q and of k become one kernel; about 7% fewer kernels per Llama-3-8B decode step, and less device
+time at batch 1 and 256: docs/benchmark-history.md) and with
 ``emulate_precision_casts`` so that a fused kernel rounds to the model dtype where the
 eager code does (e.g. the bf16 output of SiLU before the multiply), keeping the numbers those of the
 eager model up to the order of floating-point reductions.
@@ -74,9 +74,9 @@ def outer_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ``model.norm``), in module order, then the LM head when it is a plain ``nn.Linear``.
 
     NOTE: eager, the first two are a dozen small kernels per step (the rotary cos/sin: a matmul, cos, sin, cat,
-    scaling and casts; the norm: mean, rsqrt, multiplies and casts), about 20 us of each batch-1 decode step on an
-    H200; compiled, one fused kernel each. The compiled LM head's matmul is routed like the layers' projections
-    (``gemv_routing``): the Triton GEMV at one token (H200, 128256 x 4096: 237 vs 247 us for cuBLAS in
+    scaling and casts; the norm: mean, rsqrt, multiplies and casts), about 0.5% of a Llama-3-8B batch-1 decode
+    step; compiled, one fused kernel each. The compiled LM head's matmul is routed like the layers' projections
+    (``gemv_routing``): the Triton GEMV at one token (about 4% faster than cuBLAS on a 128256 x 4096 head in
     ``bench_gemv.py``), cuBLAS otherwise.
     """
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}

@@ -14,9 +14,9 @@ count; the attention modules' ``num_key_value_groups`` (read by eager/SDPA atten
 The all-reduce is a forward hook on the module (``torch.distributed._functional_collectives``, which
 ``torch.compile`` traces and NCCL records in CUDA graphs). The embedding is replicated; the LM head is split by
 vocabulary rows (zero rows pad it to a multiple of ``tp``) and its logits all-gathered (``parallel_lm_head``):
-measured on CPU, 2 gloo ranks of one thread, SmolLM2-135M's head (576 x 49152, fp32; ``research/tp_lm_head.py``),
-the split head with its gather takes 10.5 / 47 / 281 ms per step at batch 1 / 32 / 256 against 15.3 / 61 / 362 ms
-replicated, and each rank holds half of it. All ranks get the whole logits (an all-gather, not a gather to rank
+on CPU with 2 gloo ranks of one thread (SmolLM2-135M's head, 576 x 49152, fp32; ``research/tp_lm_head.py``) the
+split head with its gather takes about a quarter less time per step than the replicated one at batch 1 to 256,
+and each rank holds half of it. All ranks get the whole logits (an all-gather, not a gather to rank
 0: a CUDA graph records it like the all-reduces, and the runner's output is the same on every rank).
 
 Why not transformers' ``tp_plan="auto"``: it shards at ``from_pretrained`` only (not our GPTQ/AWQ loader, not a
@@ -28,10 +28,10 @@ Quantized layers (``QuantLinear``, ``[.., out_features]`` layout) split the same
 packed rows and the groups, which needs ``K/tp`` to be a multiple of the group size. GPTQ act-order
 (``desc_act``) stores the rows permuted (``perm``): rank r's contiguous slice of the stored rows is the input
 features ``perm[r*K/tp:(r+1)*K/tp]``; for ``down_proj`` those are exactly the intermediate features gate/up keep
-on rank r (any set works there), so the split is exact and the shard needs no permutation. The trap vLLM #7374
-hit is slicing such a layer by its input features with the groups of the stored order. Where a row split cannot
-be sliced (``o_proj`` of act-order checkpoints, whose input features are fixed by the heads; groups straddling
-the shard boundary), the layer stays whole and gathers its input instead of reducing its output.
+on rank r (any set works there), so the split is exact and the shard needs no permutation. The trap
+vllm-project/vllm#7374 hit is slicing such a layer by its input features with the groups of the stored order.
+Where a row split cannot be sliced (``o_proj`` of act-order checkpoints, whose input features are fixed by the heads;
+groups straddling the shard boundary), the layer stays whole and gathers its input instead of reducing its output.
 """
 
 from dataclasses import dataclass

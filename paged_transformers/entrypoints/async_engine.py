@@ -13,8 +13,8 @@ The loop runs in one of two places:
 
 * ``AsyncEngine(llm)``: a thread of this process, on an ``LLM`` loaded here (tests, ``bench serve --model``, a model
   split over ``tensor_parallel_size`` ranks). The event loop and the stepping thread share the GIL, so under many
-  streams the event loop's per-token work (detokenizing, JSON, socket writes) delays the steps: at saturation on
-  the H200 such a server made 0.23x of the offline engine's tokens/s (BENCHMARKS.md, issue 20).
+  streams the event loop's per-token work (detokenizing, JSON, socket writes) delays the steps: at saturation such
+  a server made about a quarter of the offline engine's tokens/s (docs/benchmark-history.md).
 * ``AsyncEngine.spawn(model, llm_kwargs)``: a child process that loads the ``LLM`` itself (``multiprocessing``'s
   spawn start), as vLLM runs its engine core in a process of its own; commands and outputs go through a pipe. The
   server (``paged-transformers serve``) runs this way: the steps no longer wait for the HTTP side's Python, and a
@@ -27,8 +27,8 @@ which only steps the engine and hands its outputs over.
 
 A server hands each request over in its handler (``add_request``), not where its streamed body first runs: uvicorn
 runs that body as a task of its own, after every task already ready, so in a burst a request handed over there
-waited until the event loop had validated the whole clump of requests that came with it (150-400 ms on the H200
-host; BENCHMARKS.md, issue 20).
+waited until the event loop had validated the whole clump of requests that came with it (150-400 ms;
+docs/benchmark-history.md).
 """
 
 import asyncio
