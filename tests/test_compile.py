@@ -11,6 +11,7 @@ import torch
 
 from conftest import engine_greedy, random_prompts, stock_greedy
 from paged_transformers import EngineConfig, LLMEngine
+from paged_transformers.core.execution_plan import LayerPath
 from paged_transformers.compilation.layers import decoder_layers, outer_modules
 
 
@@ -27,7 +28,7 @@ def test_compiled_layers_match_stock_generate(tiny_model):
     torch._dynamo.reset()
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=128, max_num_seqs=4)
     with LLMEngine(model, engine_config=config) as engine:
-        assert engine.runner.compilation.compile_error is None
+        assert engine.execution_plan.layers is LayerPath.COMPILED
         assert [module for module, _ in engine.runner.compilation.modules] == layers + outer
         assert all("forward" in vars(module) for module in layers + outer)
         got = engine_greedy(engine, prompts, max_tokens)
@@ -53,7 +54,7 @@ def test_close_restores_a_forward_set_on_the_instance(tiny_model):
         torch._dynamo.reset()
         config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
         with LLMEngine(model, engine_config=config) as engine:
-            assert engine.runner.compilation.compile_error is None
+            assert engine.execution_plan.layers is LayerPath.COMPILED
             engine_greedy(engine, [[5, 6, 7]], [2])
         assert vars(layer)["forward"] is wrapper and calls  # the wrapper ran (inside the compiled layer) and is back
         assert "forward" not in vars(decoder_layers(model)[1])
@@ -95,7 +96,7 @@ def test_several_model_classes_stay_compiled(tiny_model):
             lambda module, args: None if torch.compiler.is_compiling() else eager_calls.append(1))
         try:
             with LLMEngine(model, engine_config=config) as engine:
-                assert engine.runner.compilation.compile_error is None
+                assert engine.execution_plan.layers is LayerPath.COMPILED
                 warm_up = len(eager_calls)
                 engine_greedy(engine, [[5, 6, 7]], [3])
         finally:

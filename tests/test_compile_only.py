@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 
+from paged_transformers.core.execution_plan import LayerPath
 from paged_transformers.kernels import _launch, compile_only
 from paged_transformers.kernels.argmax import argmax_rows
 
@@ -91,8 +92,9 @@ def test_cuda_first_calls_compile_no_kernel_of_ours(compile_layers, hidden_size,
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     config = EngineConfig(max_model_len=1024, max_num_seqs=16, compile_layers=compile_layers)
     with LLMEngine(model, engine_config=config) as engine:
-        assert engine.runner.compiled == compile_layers and engine.runner.graphs is not None
-        assert engine.runner.fused_layers == (not compile_layers)  # uncompiled: the fused eager layers
+        plan = engine.execution_plan
+        assert plan.cuda_graphs
+        assert plan.layers is (LayerPath.COMPILED if compile_layers else LayerPath.FUSED)  # uncompiled: fused layers
         after_construction = {m: _compiled_variants(m) for m in modules}
         for batch in (1, 2, 3, 16):  # prompt steps, then decode graphs of the buckets 1, 2, 4, 16
             for i in range(batch):
@@ -120,7 +122,7 @@ def test_a_short_max_model_len_compiles():
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_num_seqs=1, block_size=4)
     with LLMEngine(model, engine_config=config) as engine:
         assert engine.max_model_len == 16
-        assert engine.runner.compiled and engine.runner.compilation.compile_error is None
+        assert engine.execution_plan.layers is LayerPath.COMPILED and engine.execution_plan.compile_error is None
         assert engine_greedy(engine, [prompt], [5]) == [ref]
 
 

@@ -14,6 +14,7 @@ from conftest import engine_greedy, make_tiny_model, random_prompts, stock_greed
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate, release
 from paged_transformers.compilation.fusion import FusedLinearSlice
 from paged_transformers.compilation.layers import decoder_layers
+from paged_transformers.core.execution_plan import LayerPath
 from paged_transformers.integration.warm import current_engine
 
 pytest.importorskip("triton")
@@ -134,7 +135,7 @@ def test_fused_layers_equal_stock_generate(tiny_model, arch, backend):
     model.to(DEVICE)  # the fused layers' kernels: CUDA, else the interpreter
     try:
         with LLMEngine(model, engine_config=_config(backend)) as engine:
-            assert engine.runner.fused_layers and not engine.runner.compiled
+            assert engine.execution_plan.layers is LayerPath.FUSED
             assert all("forward" in vars(layer) for layer in decoder_layers(model))
             assert "forward" in vars(model.model.norm)
             assert all(isinstance(layer.get_submodule(p), FusedLinearSlice)
@@ -156,7 +157,7 @@ def test_between_calls_the_model_is_stock_and_weight_updates_are_used():
     got = [o.outputs[0].token_ids for o in paged_generate(model, prompts, params, engine_config=_config("triton"),
                                                           use_tqdm=False)]
     assert got == [stock_greedy(twin, p, 6)[0] for p in prompts]
-    assert current_engine(model).runner.fused_layers
+    assert current_engine(model).execution_plan.layers is LayerPath.FUSED
     ids = torch.tensor([prompts[0]], device=DEVICE)
     assert torch.equal(model(ids).logits, twin(ids).logits)
 
@@ -192,7 +193,7 @@ def test_other_models_run_their_own_layers_by_default(tiny_model):
             model.to(DEVICE)
             config = EngineConfig(compile_layers=False, attention_backend="triton", max_model_len=64, max_num_seqs=2)
             with LLMEngine(model, engine_config=config) as engine:
-                assert engine.runner.fused_layers is fused
+                assert (engine.execution_plan.layers is LayerPath.FUSED) is fused
                 assert engine_greedy(engine, prompts, [6, 6]) == refs
         finally:
             model.cpu()
@@ -225,8 +226,8 @@ def test_cuda_default_runs_fused_layers_and_compiles_the_layers_they_cannot_run(
         model.to(DEVICE)
         try:
             with LLMEngine(model, engine_config=EngineConfig(max_model_len=64, max_num_seqs=2)) as engine:
-                assert engine.runner.graphs is not None
-                assert (engine.runner.fused_layers, engine.runner.compiled) == (fused, not fused), arch
+                assert engine.execution_plan.cuda_graphs
+                assert engine.execution_plan.layers is (LayerPath.FUSED if fused else LayerPath.COMPILED), arch
                 assert engine_greedy(engine, prompts, [6, 6]) == refs, arch
         finally:
             model.cpu()

@@ -14,6 +14,7 @@ from conftest import engine_greedy, random_prompts, stock_greedy
 from torch import nn
 
 from paged_transformers import EngineConfig, LLMEngine
+from paged_transformers.core.execution_plan import LayerPath
 from paged_transformers.compilation.layers import INDUCTOR_OPTIONS, decoder_layers
 from paged_transformers.compilation.fusion import (
     COMPILE_OPTIONS,
@@ -55,7 +56,7 @@ def test_fused_compiled_engine_matches_stock_and_close_restores(tiny_model, arch
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=4)
     with LLMEngine(model, engine_config=config) as engine:
         runner = engine.runner
-        assert runner.compilation.compile_error is None and runner.compilation.fusion is not None
+        assert engine.execution_plan.layers is LayerPath.COMPILED and engine.execution_plan.fuse_projections
         assert runner.compilation.fusion.num_fused == 2 * model.config.num_hidden_layers and not runner.compilation.fusion.skipped
         assert all(isinstance(m, FusedLinearSlice) for m in _projections(model))
         _assert_state_equal(model, before)  # while fused: same keys, shapes and values
@@ -205,8 +206,9 @@ def test_compile_failure_unfuses(tiny_model, monkeypatch):
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
     engine = LLMEngine(model, engine_config=config)
     try:
-        assert "inductor says no" in engine.runner.compilation.compile_error
-        assert engine.runner.compilation.fusion is None
+        plan = engine.execution_plan
+        assert "inductor says no" in plan.compile_error
+        assert plan.layers is not LayerPath.COMPILED and not plan.fuse_projections
         assert all(a is b for a, b in zip(_projections(model), mods))
         _assert_state_equal(model, before)
     finally:
@@ -230,7 +232,7 @@ def test_fuse_projections_validated(tiny_model, monkeypatch):
     model = tiny_model("llama", seed=15)
     mods = _projections(model)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="needs the Triton interpreter"):
+    with pytest.raises(ValueError, match="need CUDA or the Triton interpreter"):
         LLMEngine(model, engine_config=EngineConfig(fuse_projections=True, compile_layers=False,
                                                     attention_backend="torch", max_model_len=64))
     assert all(a is b for a, b in zip(_projections(model), mods))

@@ -13,6 +13,7 @@ import torch
 
 from conftest import VOCAB_SIZE, assert_pool_whole, check_block_invariants, random_prompts
 from paged_transformers import LLM, EngineConfig, LLMEngine, SamplingParams, paged_generate
+from paged_transformers.core.execution_plan import LayerPath
 
 TOL = 1e-4  # fp32: the engine's torch attention against stock SDPA
 PROMPTS = random_prompts(5, 1, 70, seed=21)  # 1, 18, 36, 53, 70 tokens
@@ -212,7 +213,8 @@ def test_cuda_engine_with_graphs_equals_stock(model):
     wanting = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, ignore_eos=True)
     config = EngineConfig(block_size=16, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8)
     with LLMEngine(gpu, engine_config=config) as engine:
-        assert engine.runner.graphs is not None and engine.runner.fused_layers, "not the CUDA path of record"
+        plan = engine.execution_plan
+        assert plan.cuda_graphs and plan.layers is LayerPath.FUSED, "not the CUDA path of record"
         outs = run(engine, PROMPTS, [wanting if i % 2 else plain for i in range(len(PROMPTS))])
         alone = run(engine, PROMPTS, [plain] * len(PROMPTS))
         assert_pool_whole(engine)

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from paged_transformers import SamplingParams, load_model, paged_generate
+from paged_transformers.core.execution_plan import LayerPath
 from paged_transformers.quantization import (
     QuantizationConfig,
     QuantLinear,
@@ -372,7 +373,7 @@ def test_tiny_goldens_on_the_fused_eager_layers(name, models):
     config = EngineConfig(compile_layers=False, fuse_projections=None if cuda else True, attention_backend="triton",
                           max_model_len=128, max_num_seqs=4)
     with LLMEngine(model, engine_config=config) as engine:
-        assert engine.runner.fused_layers
+        assert engine.execution_plan.layers is LayerPath.FUSED
         assert engine.runner.compilation.fusion.num_fused == 2 * model.config.num_hidden_layers
         for i, (ids, want) in enumerate(zip(prompts, g["greedy_new_tokens"])):  # the goldens ignore EOS
             engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True))
@@ -453,7 +454,7 @@ def test_compiled_layers_with_quant_linear_match_stock_generate():
     torch._dynamo.utils.counters.clear()
     config = EngineConfig(compile_layers=True, attention_backend="torch", max_model_len=64, max_num_seqs=2)
     with LLMEngine(model, engine_config=config) as engine:
-        assert engine.runner.compilation.compile_error is None
+        assert engine.execution_plan.layers is LayerPath.COMPILED
         got = engine_greedy(engine, prompts, max_tokens)
     assert got == refs
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the layers ran through Dynamo

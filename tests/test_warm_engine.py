@@ -24,6 +24,7 @@ import paged_transformers.integration.warm as warm_module
 from conftest import assert_pool_whole, make_tiny_model, random_prompts, stock_greedy
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate, release
 from paged_transformers.core.attention import ATTENTION_NAME
+from paged_transformers.core.execution_plan import LayerPath
 from paged_transformers.integration.warm import attached_engine, current_engine
 from paged_transformers.core.weights import WeightsChange, WeightsSnapshot
 from test_patch import left_pad
@@ -273,7 +274,7 @@ def test_compiled_fused_engine_between_calls(tmp_path):
     before = tokens(paged_generate(model, prompts, greedy(6), engine_config=config, use_tqdm=False))
     assert before == [stock_greedy(reference, p, 6)[0] for p in prompts]
     engine = current_engine(model)
-    assert engine.runner.compilation.compile_error is None and engine.runner.compilation.fusion.num_fused == 2 * model.config.num_hidden_layers
+    assert engine.execution_plan.layers is LayerPath.COMPILED and engine.runner.compilation.fusion.num_fused == 2 * model.config.num_hidden_layers
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 2 and model_is_stock(model)
     attn, fused = model.model.layers[0].self_attn, engine.runner.compilation.fusion.groups[0][2]

@@ -9,7 +9,7 @@
     compilation.py   ``Compilation``: all of the above for one model, ``apply`` / ``restore`` / ``undo``
 """
 
-from .compilation import Compilation
+from .compilation import Compilation, fused_layers_unsupported
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 
-__all__ = ["Compilation", "DecodeGraphs", "graph_batch_sizes"]
+__all__ = ["Compilation", "DecodeGraphs", "fused_layers_unsupported", "graph_batch_sizes"]

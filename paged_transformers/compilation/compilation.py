@@ -27,13 +27,21 @@ from .layers import compile_layers, tracing_settings, uncompile_layers
 logger = logging.getLogger("paged_transformers")
 
 
+def fused_layers_unsupported(model: torch.nn.Module) -> str | None:
+    """Why the fused eager layers cannot run ``model`` (``fused_layers.unsupported``, or the projection groups that
+    could not be fused, the first three named), or None when they can."""
+    reason = fused_layers.unsupported(model)
+    skipped = fusion.unfusable(model) if reason is None else []
+    return reason or ("projections not fused: " + "; ".join(skipped[:3]) if skipped else None)
+
+
 class Compilation:
     """The compiled layers, fused projections and decode graphs of one engine's model.
 
     Args:
         model: the transformers model (its decoder layers subclass ``GradientCheckpointingLayer``).
         device: the model's device.
-        max_num_seqs: the largest decode graph bucket.
+        max_cudagraph_capture_size: the largest decode graph bucket (sequences).
         cuda_graphs: capture decode graphs (``DecodeGraphs``); the caller checks that the device and the attention
             backend allow it.
 
@@ -45,9 +53,9 @@ class Compilation:
         compile_error: why compiling failed (the layers then stay eager), or None.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, max_num_seqs: int, cuda_graphs: bool):
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_cudagraph_capture_size: int, cuda_graphs: bool):
         self.model = model
-        self.graphs = DecodeGraphs(device, max_num_seqs) if cuda_graphs else None
+        self.graphs = DecodeGraphs(device, max_cudagraph_capture_size) if cuda_graphs else None
         self.modules: list[tuple[torch.nn.Module, object]] = []
         self.fused_modules: list[tuple[torch.nn.Module, object]] = []
         self.fusion: fusion.FusionHandle | None = None
@@ -77,17 +85,16 @@ class Compilation:
             return
         self._record_swaps(self.modules)
 
-    def fuse_layers(self) -> str | None:
+    def fuse_layers(self) -> None:
         """Fuse the projections and install the fused eager decoder layers (``fused_layers``) instead of compiling.
 
-        Returns:
-            None when installed, else why not (``fused_layers.unsupported``, or a projection group that could not
-            be fused); the model is then left untouched.
+        Raises:
+            ValueError: they cannot run the model (``fused_layers_unsupported``, checked by the caller's plan first);
+                the model is then left untouched.
         """
-        reason = fused_layers.unsupported(self.model)
-        skipped = fusion.unfusable(self.model) if reason is None else []
-        if reason is not None or skipped:
-            return reason or "projections not fused: " + "; ".join(skipped[:3])
+        reason = fused_layers_unsupported(self.model)
+        if reason is not None:
+            raise ValueError(f"the fused eager layers cannot run this model: {reason}")
         self.fusion = fusion.fuse_projections(self.model)
         self.fused_modules = fused_layers.install(self.model, self.fusion.groups)
         self._record_swaps(self.fused_modules)

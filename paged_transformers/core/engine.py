@@ -136,9 +136,8 @@ class LLMEngine(EngineLifecycle):
             raise
         # seconds: the KV pool's sizing (on CUDA a profiled forward) and the runner's start (fused or compiled layers)
         self.startup_times = {"kv_sizing_s": sizing_s, "runner_s": time.perf_counter() - t0}
-        logger.info("paged_transformers: KV pool of %d blocks of %d tokens, sized in %.1f s; runner ready in %.1f s%s",
-                    self.cache.block_manager.num_blocks, self.config.block_size, sizing_s, self.startup_times["runner_s"],
-                    " (layers compiled)" if self.runner.compiled else " (fused eager layers)" if self.runner.fused_layers else "")
+        logger.info("paged_transformers: KV pool of %d blocks of %d tokens, sized in %.1f s; runner ready in %.1f s",
+                    self.cache.block_manager.num_blocks, self.config.block_size, sizing_s, self.startup_times["runner_s"])
         self.peak_num_used_blocks = 0
         self.num_pipelined_steps = 0  # steps launched before the previous step's tokens were read
         self._weights = WeightsSnapshot.take(model)  # after fusion: fusing moves the projections' storage

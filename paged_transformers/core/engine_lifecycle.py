@@ -142,6 +142,12 @@ class EngineLifecycle:
             self.cache.allocate()
             self.sleeping = False
 
+    @property
+    def execution_plan(self):
+        """How the runner runs the model (``execution_plan.ExecutionPlan``: the layers' path, fused projections, the
+        batch-1 GEMV, CUDA graphs and their buckets, CPU weight packing), resolved once at construction."""
+        return self.runner.execution_plan
+
     def capture_cudagraphs(self) -> int:
         """Capture every decode bucket's CUDA graph now, as vLLM does at start-up (its model runner's
         ``capture_model``), instead of at each bucket's first step: a server calls it before it takes requests, so

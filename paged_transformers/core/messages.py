@@ -8,9 +8,12 @@ never reads the scheduler's ``Sequence`` objects or the block manager, and nothi
 after it is made. The plan carries each sequence's NEW block ids only; the runner keeps every running
 sequence's block table in its persistent batch (``input_batch.InputBatch``) and applies these diffs
 (vLLM V1's ``SchedulerOutput`` / ``NewRequestData`` / ``CachedRequestData`` and ``ModelRunnerOutput``).
+``StepTrace`` is the runner's record of an executed step, for the bench.
 """
 
 from dataclasses import dataclass, field
+
+import torch
 
 from .block_manager import BlockCopy
 
@@ -147,3 +150,28 @@ class ModelRunnerOutput:
     logprobs: dict[int, tuple[float, dict[int, float]]]
     errors: dict[int, BaseException]
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """One executed step, recorded when ``ModelRunner.record_steps`` is set (for the bench).
+
+    ``start``/``end`` are CUDA events around the step's device work (metadata copies to logits); on CPU
+    they are None and the host times stand in.
+    """
+
+    kind: str  # "graph" (decode replay) or "eager"
+    num_tokens: int  # tokens in the step (unpadded)
+    num_seqs: int  # sequences in the step
+    num_context_tokens: int  # sum of seq_lens: KV tokens the attention reads
+    host_start: float  # time.perf_counter() at the start of execute (seconds)
+    host_end: float  # after the logits were produced (enqueued) (seconds)
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+
+    def device_time_s(self) -> float | None:
+        """Device time between the two events in seconds (synchronizes on ``end``); None on CPU."""
+        if self.start is None:
+            return None
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3

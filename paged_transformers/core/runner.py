@@ -13,9 +13,7 @@ The compiled layers, fused projections and decode graphs are the runner's ``comp
 
 import contextlib
 import logging
-import os
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -23,10 +21,12 @@ from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata, AttentionOps
 from ..kernels import compile_only
 from .draw import argmax, host_to_device
+from .execution_plan import DeviceFacts, ExecutionPlan, LayerPath, ModelFacts, resolve_execution_plan
 from ..integration.compat import attn_implementation
 from .input_batch import InputBatch
 from .kv_pool import KVPool
-from .messages import SchedulerOutput
+from .messages import SchedulerOutput, StepTrace
+from .sizing import model_compute_dtype
 from ..quantization.linear import QuantLinear
 from .weights import WeightsChange
 
@@ -36,31 +36,6 @@ logger = logging.getLogger(__name__)
 # decode tile holds (16 rows of query heads: 16 // (query heads per KV head) tokens), so it takes the prefill tile as
 # real prompts do.
 WARMUP_PROMPT_TOKENS = 17
-
-
-@dataclass(slots=True)
-class StepTrace:
-    """One executed step, recorded when ``ModelRunner.record_steps`` is set (for the bench).
-
-    ``start``/``end`` are CUDA events around the step's device work (metadata copies to logits); on CPU
-    they are None and the host times stand in.
-    """
-
-    kind: str  # "graph" (decode replay) or "eager"
-    num_tokens: int  # tokens in the step (unpadded)
-    num_seqs: int  # sequences in the step
-    num_context_tokens: int  # sum of seq_lens: KV tokens the attention reads
-    host_start: float  # time.perf_counter() at the start of execute (seconds)
-    host_end: float  # after the logits were produced (enqueued) (seconds)
-    start: torch.cuda.Event | None = None
-    end: torch.cuda.Event | None = None
-
-    def device_time_s(self) -> float | None:
-        """Device time between the two events in seconds (synchronizes on ``end``); None on CPU."""
-        if self.start is None:
-            return None
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1e3
 
 
 class ModelRunner:
@@ -91,31 +66,26 @@ class ModelRunner:
         max_num_seqs, max_num_batched_tokens: engine limits (buffer sizes); default: the batch of the
             biggest step seen is not bounded, so both must be given for the buffers (the engine does).
         max_model_len: longest sequence in tokens (block-table width; the graphs' ``max_seq_len`` bound).
-        use_cuda_graphs: replay decode steps from CUDA graphs, each bucket's graph captured at its first
-            decode step (``compilation.DecodeGraphs``). Honoured only on CUDA and with a backend that says it can
-            be captured (``backend.graph_capturable``; the torch backend calls ``.tolist()``, which cannot be);
-            otherwise the runner stays eager.
-        compile_layers: ``torch.compile`` the decoder layers around the attention (``compilation/layers.py``);
-            None: when decode graphs are used and the fused eager layers (below) do not run the model; True: even
-            where they could. Compiled at construction by dummy forwards (``_compile``); a compile error leaves the
-            layers eager and is recorded in ``compilation.compile_error``. The runner is constructed attached (its
-            forwards installed). Uncompiled layers on CUDA run the same dummy forwards to compile our Triton
-            kernels' variants (``_precompile_kernels``).
-        fuse_projections: fuse q|k|v and gate|up into one GEMM each (``compilation/fusion.py``): in the fused
-            eager decoder layers of the Llama family (``compilation/fused_layers.py``, whose kernels need CUDA or the
-            Triton interpreter), tried first unless ``compile_layers`` is True, or inside the compiled layers. None:
-            the fused eager layers on CUDA where the model's layers are of that family, else with compiled layers.
-            Undone on ``release``.
-        cpu_prepack_weights: ``EngineConfig.cpu_prepack_weights`` for the oneDNN CPU projections (below).
+        max_cudagraph_capture_size: the largest decode graph bucket (sequences), at most ``max_num_seqs``; decode
+            steps of more sequences run eagerly. None: ``max_num_seqs``.
+        use_cuda_graphs, compile_layers, fuse_projections, cpu_prepack_weights: ``EngineConfig``'s knobs
+            (``use_cuda_graphs`` is ``not enforce_eager``), resolved once with the model and the device into
+            ``execution_plan`` (``execution_plan.resolve_execution_plan`` has the rule). The runner is constructed
+            attached (its forwards installed); compiled layers are compiled now by dummy forwards (``_compile``), a
+            compile error leaving them eager (the plan resolved again with it); uncompiled layers on CUDA run the same
+            dummy forwards to compile our Triton kernels' variants (``_precompile_kernels``). The fused projections
+            are undone on ``release``.
 
     Eager fp32 layers on an x86-64 CPU run their ``nn.Linear`` products through oneDNN during engine forwards
-    (``cpu_linear.py``: up to 2x MKL's sgemm on the dev machine); outside them the model is untouched. While the
-    weights are stable across calls they read packed copies of the weights (``weights_changed``).
+    (``cpu_linear.py``); outside them the model is untouched. While the weights are stable across calls they read
+    packed copies of the weights (``weights_changed``).
+
+    Attributes:
+        execution_plan: the ``ExecutionPlan`` the runner runs by.
 
     Raises:
         ValueError: a limit that is not positive; ``fuse_projections=True`` with uncompiled layers that the fused
-            eager layers cannot run (the reason named), or, without compiled layers, on a CPU without the Triton
-            interpreter.
+            eager layers cannot run (the reason named: the model, or a CPU without the Triton interpreter).
     """
 
     def __init__(
@@ -127,6 +97,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         max_model_len: int = 4096,
+        max_cudagraph_capture_size: int | None = None,
         use_cuda_graphs: bool = False,
         compile_layers: bool | None = None,
         fuse_projections: bool | None = None,
@@ -144,53 +115,43 @@ class ModelRunner:
         self.device = cache.device
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.max_cudagraph_capture_size = max_cudagraph_capture_size or max_num_seqs
         # a decode step has num_seqs tokens, so the token buffers must hold the largest graph bucket too
         self.max_num_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_num_blocks_per_seq = -(-max_model_len // cache.block_size)
         self.batch = InputBatch(self.max_num_tokens, max_num_seqs, self.max_num_blocks_per_seq, cache.block_size, self.device)
         vars(self).update(self.batch.device_buffers())  # the forward reads the batch's tensors: self.input_ids, ...
-
-        graphs_on = bool(use_cuda_graphs) and self.device.type == "cuda" and backend.graph_capturable
         self.record_steps = False
         self.steps: list[StepTrace] = []
-        # the fused eager layers first (no compiler: a start of seconds), unless compiling is asked for; compiled
-        # layers where they cannot run the model and decode graphs are on (compile_layers=None), or when asked
-        fused_try = compile_layers is not True and (
-            fuse_projections or (fuse_projections is None and self.device.type == "cuda"))
-        if fuse_projections and fused_try and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"fuse_projections=True with uncompiled layers on {self.device} needs the Triton "
-                             "interpreter (TRITON_INTERPRET=1) for the fused eager layers' kernels")
-        self.compilation = None  # compilation.Compilation: compiled or fused eager layers, decode graphs
-        if compile_layers or graphs_on or fused_try:
+        knobs = dict(cuda_graphs=bool(use_cuda_graphs), compile_layers=compile_layers, fuse_projections=fuse_projections,
+                     cpu_prepack_weights=cpu_prepack_weights, max_cudagraph_capture_size=self.max_cudagraph_capture_size)
+        device = DeviceFacts.of(self.device, backend.graph_capturable)
+        facts = ModelFacts.of(model, model_compute_dtype(model), device)
+        self.execution_plan = resolve_execution_plan(**knobs, model=facts, device=device)
+        self.cpu_linears: cpu_linear.RoutedLinears | None = None
+        self._build(self.execution_plan)
+        if self.compilation is not None and self.compilation.compile_error is not None:
+            self.execution_plan = resolve_execution_plan(**knobs, model=facts, device=device,
+                                                         compile_error=self.compilation.compile_error)
+        if self.execution_plan.layers is LayerPath.ONEDNN:
+            self.cpu_linears = cpu_linear.RoutedLinears(model, prepack=cpu_prepack_weights)
+        logger.info("paged_transformers: execution plan: %s", self.execution_plan)
+
+    def _build(self, plan: ExecutionPlan) -> None:
+        """What ``plan`` installs in the model: the ``Compilation`` (fused or compiled layers, decode graphs), or
+        None; the compile (``_compile``) or the kernels' warm-up (``_precompile_kernels``)."""
+        self.compilation = None
+        if plan.layers in (LayerPath.FUSED, LayerPath.COMPILED) or plan.cuda_graphs:
             from ..compilation import Compilation
 
-            self.compilation = Compilation(model, self.device, max_num_seqs, cuda_graphs=graphs_on)
-        reason = self.compilation.fuse_layers() if fused_try else None
-        compile_on = not self.fused_layers and (compile_layers if compile_layers is not None else graphs_on)
-        if reason is not None and fuse_projections and not compile_on:
-            raise ValueError(f"fuse_projections=True with uncompiled layers needs the fused eager layers, which "
-                             f"cannot run this model: {reason}")
-        if reason is not None:
-            logger.info("paged_transformers: the fused eager layers cannot run this model (%s); its layers are %s",
-                        reason, "compiled" if compile_on else "run by their own eager forward")
-        if compile_on:
-            self._compile(fuse=fuse_projections is not False)
-        self.cpu_linears: cpu_linear.RoutedLinears | None = None
-        if self.device.type == "cpu" and not self.compiled and not self.fused_layers and cpu_linear.available():
-            # eager fp32 projections through oneDNN (cpu_linear.py)
-            self.cpu_linears = cpu_linear.RoutedLinears(model, prepack=cpu_prepack_weights)
-        if self.device.type == "cuda" and backend.graph_capturable and not compile_on:
+            self.compilation = Compilation(self.model, self.device, self.max_cudagraph_capture_size,
+                                           cuda_graphs=plan.cuda_graphs)
+        if plan.layers is LayerPath.FUSED:
+            self.compilation.fuse_layers()
+        elif plan.layers is LayerPath.COMPILED:
+            self._compile(fuse=plan.fuse_projections)
+        if plan.precompile_kernels:
             self._precompile_kernels()  # the Triton backend's kernels (the torch backend has none of ours)
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the layers are compiled (False also after a compile error)."""
-        return self.compilation is not None and bool(self.compilation.modules)
-
-    @property
-    def fused_layers(self) -> bool:
-        """Whether the decoder layers run the fused eager forward (``compilation/fused_layers.py``)."""
-        return self.compilation is not None and bool(self.compilation.fused_modules)
 
     @property
     def graphs(self):
@@ -242,7 +203,7 @@ class ModelRunner:
     def _forward_scope(self) -> contextlib.AbstractContextManager:
         """What every forward runs under: the compiled layers' tracing settings, the CPU projections' oneDNN route,
         or nothing."""
-        if self.compiled:
+        if self.execution_plan.layers is LayerPath.COMPILED:
             return self.compilation.scope()
         return self.cpu_linears.routed() if self.cpu_linears is not None else contextlib.nullcontext()
 
