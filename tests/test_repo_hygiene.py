@@ -102,6 +102,15 @@ def history_findings(text: str) -> list[str]:
     return kinds
 
 
+def line_history(text: str, previous: str = "") -> list[str]:
+    """``history_findings`` of a line, plus a measurement split over it and the line above (``previous``, the
+    prose line just before it, or "")."""
+    kinds = history_findings(text)
+    if previous and not kinds and not is_measurement(previous) and is_measurement(f"{previous.strip()} {text.strip()}"):
+        kinds.append("measured timing (with the line above)")
+    return kinds
+
+
 def prose_lines(source: str) -> list[tuple[int, str]]:
     """``(line number, text)`` of every comment and every line of a string statement (docstrings)."""
     lines = source.splitlines()
@@ -190,20 +199,22 @@ def dangling_references(text: str, folders: set[str], basenames: set[str],
 
 def _scan(check) -> list[str]:
     """``path:line: what: text`` for every prose line of the scanned files (the temporary skips left out) for
-    which ``check(text)`` returns something."""
+    which ``check(text, previous prose line or "")`` returns something."""
     out = []
     for path in _product_files():
         rel = path.relative_to(REPO).as_posix()
         if _skipped(rel):
             continue
-        for lineno, text in prose_lines(path.read_text()):
-            if found := check(text):
+        lines = prose_lines(path.read_text())
+        by_number = dict(lines)
+        for lineno, text in lines:
+            if found := check(text, by_number.get(lineno - 1, "")):
                 out.append(f"{rel}:{lineno}: {', '.join(found)}: {text.strip()}")
     return out
 
 
 def test_no_history_in_comments_or_docstrings():
-    found = _scan(history_findings)
+    found = _scan(line_history)
     assert not found, ("history in comments/docstrings (move it to docs/benchmark-history.md or the commit "
                        "message; say what and why):\n" + "\n".join(found))
 
@@ -211,7 +222,7 @@ def test_no_history_in_comments_or_docstrings():
 def test_files_and_members_named_in_comments_exist():
     folders, basenames = _repo_index()
     classes = _product_class_members()
-    found = _scan(lambda text: dangling_references(text, folders, basenames, classes))
+    found = _scan(lambda text, _previous: dangling_references(text, folders, basenames, classes))
     assert not found, "comments/docstrings name files or members that do not exist:\n" + "\n".join(found)
 
 
@@ -245,6 +256,11 @@ def test_history_patterns_flag(text):
 ])
 def test_history_patterns_pass(text):
     assert not history_findings(text), history_findings(text)
+
+
+def test_a_measurement_split_over_two_lines_is_flagged():
+    assert line_history("1.16x at batch 1).", "patched ``generate()`` 1.44x faster at batch 8,")
+    assert not line_history("so the default is 4 warps.", "configs of 8 warps were up to 1.7x slower;")
 
 
 def test_class_members_follow_product_bases_only():

@@ -28,9 +28,9 @@ which are called as modules and keep them), and q|k|v and gate|up fused in every
 ``unsupported`` says why not. Installed and removed by ``Compilation.fuse_layers`` / ``restore`` / ``undo``, so
 between engine calls the model runs its own forward.
 
-NOTE: against the compiled layers on empty compile caches (Llama-3-8B shape, bf16), the engine builds about 4x
-faster and decodes as fast, within 1.5% at batch 1 and 64 (docs/benchmark-history.md). Hence the default for these
-layer classes.
+NOTE: on empty compile caches the engine builds about 4x faster with these layers than with the compiled ones
+(Llama-3-8B shape, bf16), and decodes as fast (docs/benchmark-history.md). Hence the default for these layer
+classes.
 """
 
 from __future__ import annotations
