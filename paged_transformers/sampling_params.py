@@ -26,7 +26,10 @@ class SamplingParams:
             (``finish_reason="length"`` in both cases).
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens were generated.
         stop: strings that end generation when they appear in the output text (not included in it).
-        stop_token_ids: token ids that end generation (included in ``token_ids``, like EOS).
+        stop_token_ids: token ids that end generation (included in ``token_ids``, like EOS; their text is not
+            in the output text, nor is EOS's).
+        include_stop_str_in_output: keep the matched ``stop`` string, and the text of the stop token or EOS
+            that ended the sequence, in the output text (vLLM's option).
         ignore_eos: keep generating past EOS.
         logprobs: if set, return the log-probabilities of the sampled token and of the top
             ``logprobs`` tokens at each step (from the model's raw logits, before any processing).
@@ -67,6 +70,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
@@ -101,8 +105,9 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             setattr(self, name, float(value))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
         self.min_tokens = _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:

@@ -52,6 +52,32 @@ def test_greedy_generate_equals_paged_generate_and_stock(llm, smollm2):
     assert "Paris" in outs[0].outputs[0].text
 
 
+def first_word_token(tokenizer, new: list[int]) -> int:
+    """Index of the first output token after the first that is an ordinary word (letters) seen for the first time."""
+    return next(k for k in range(1, len(new)) if tokenizer.decode([new[k]]).strip().isalpha() and new[k] not in new[:k])
+
+
+def test_stop_token_id_text_left_out(llm, smollm2):
+    """A request ended by an ordinary word token of ``stop_token_ids`` used to keep that token's text; as in vLLM,
+    ``token_ids`` end with it and ``text`` leaves it out (kept with ``include_stop_str_in_output``), in ``LLM`` and
+    ``paged_generate``. Reference: stock ``generate()``'s greedy tokens, decoded."""
+    model, tokenizer = smollm2
+    prompt = "The capital of France is"
+    new, _ = stock_greedy(model, tokenizer(prompt).input_ids, 8)
+    k = first_word_token(tokenizer, new)
+    stop_id, word = new[k], tokenizer.decode([new[k]]).strip()
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        outs = [llm.generate([prompt], params, use_tqdm=False)[0],
+                paged_generate(model, [prompt], params, tokenizer=tokenizer, engine_config=EngineConfig(**SMALL),
+                               use_tqdm=False)[0]]  # fmt: skip
+        for what, out in zip(("LLM", "paged_generate"), outs):
+            comp = out.outputs[0]
+            assert comp.token_ids == new[: k + 1] and (comp.finish_reason, comp.stop_reason) == ("stop", stop_id), what
+            assert comp.text == tokenizer.decode(new[: k + 1 if include else k], skip_special_tokens=True), what
+            assert (word in comp.text) == include, (what, word, comp.text)
+
+
 def test_chat_equals_stock_on_the_templated_prompt(llm, smollm2):
     model, tokenizer = smollm2
     conversations = [

@@ -271,6 +271,30 @@ def test_stop_strings_stop_token_ids_and_request_id(client, http, smollm2):
     assert response.json()["choices"][0]["text"].startswith(PROMPT)
 
 
+def test_stop_token_id_text_left_out(client, http, smollm2):
+    """A choice ended by an ordinary word token of ``stop_token_ids`` used to keep that token's text; as in vLLM,
+    its text leaves the token out (completions and chat, whole and streamed), ``finish_reason`` is ``"stop"`` and
+    ``stop_reason`` the id; ``include_stop_str_in_output`` keeps it. Reference: stock ``generate()``'s greedy
+    tokens, decoded."""
+    model, tokenizer = smollm2
+    chat_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)
+    for path, ids, body in (("/v1/completions", tokenizer(PROMPT).input_ids, {"prompt": PROMPT}),
+                            ("/v1/chat/completions", list(chat_ids["input_ids"]), {"messages": MESSAGES})):
+        new, _ = stock_greedy(model, ids, MAX_TOKENS)
+        k = next(k for k in range(1, len(new)) if tokenizer.decode([new[k]]).strip().isalpha() and new[k] not in new[:k])
+        for include in (False, True):
+            want = tokenizer.decode(new[: k + 1 if include else k], skip_special_tokens=True)
+            body = {**body, "model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "stop_token_ids": [new[k]],
+                    "include_stop_str_in_output": include}
+            choice = http.post(path, json=body).json()["choices"][0]
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            assert (text, choice["finish_reason"], choice["stop_reason"]) == (want, "stop", new[k]), (path, include)
+            events = _stream_lines(http, path, {**body, "stream": True})[:-1]
+            deltas = [e["choices"][0] for e in events if e["choices"]]
+            streamed = "".join(d.get("text") or d.get("delta", {}).get("content") or "" for d in deltas)
+            assert streamed == want and (deltas[-1]["finish_reason"], deltas[-1]["stop_reason"]) == ("stop", new[k]), path
+
+
 def test_async_client_concurrent_requests(server):
     import openai
 

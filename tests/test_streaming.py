@@ -162,6 +162,27 @@ def test_stream_holds_back_stop_string_prefixes(tiny_model, script, stop, texts,
     assert_streamed_once(deltas, finals)
 
 
+@pytest.mark.parametrize(
+    "script, extra, text, token_ids, stop_reason",
+    [([10, 11, 12], dict(stop_token_ids=[11]), "ABC", [10, 11], 11),  # an ordinary token as the stop token
+     ([10, 11, 12], dict(stop_token_ids=[11], include_stop_str_in_output=True), "ABCDEF", [10, 11], 11),
+     ([10, 11, 2], {}, "ABCDEF", [10, 11, 2], None),  # EOS (the tiny Llama's id 2), decoded "." by the toy tokenizer
+     ([10, 11, 2], dict(include_stop_str_in_output=True), "ABCDEF.", [10, 11, 2], None),
+     ([10, 11, 12], dict(stop=["DE"], include_stop_str_in_output=True), "ABCDE", [10, 11], "DE")],
+    ids=["stop-token", "stop-token-included", "eos", "eos-included", "stop-string-included"],
+)
+def test_stop_token_text_left_out_as_vllm(tiny_model, script, extra, text, token_ids, stop_reason):
+    """vLLM keeps the stop token (or EOS) that ended a sequence in ``token_ids`` and leaves its text out of
+    ``text`` unless ``include_stop_str_in_output``; the text used to end with the stop token's "DEF". The
+    stream joins to the same text."""
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=len(script), logits_processors=[forcing(3, script)], **extra)
+    deltas, finals = stream_and_finals(model, PieceTokenizer(PIECES), {"a": ([5, 6, 7], params)})
+    comp = finals["a"].outputs[0]
+    assert (comp.text, comp.token_ids, comp.finish_reason, comp.stop_reason) == (text, token_ids, "stop", stop_reason)
+    assert_streamed_once(deltas, finals)
+
+
 def test_stream_stop_strings_n_gt_1_random(tiny_model):
     """Random sampling over pieces that make the stops appear often, n=3, with multi-byte pieces split
     over tokens: every sequence's stream joins to its final text, which is cut before its stop."""

@@ -86,9 +86,25 @@ def first_stop(text: str, stops) -> str | None:
     return stops[min(found)[1]] if found else None
 
 
-def cut_at_stop(text: str, stop_reason) -> str:
-    """``text`` up to the first occurrence of the stop string ``stop_reason`` (unchanged for a token id or None)."""
-    return text[: text.find(stop_reason)] if isinstance(stop_reason, str) and stop_reason in text else text
+def cut_at_stop(text: str, stop_reason, include_stop_str: bool = False) -> str:
+    """``text`` up to the first occurrence of the stop string ``stop_reason``, the stop string itself kept when
+    ``include_stop_str`` (vLLM's ``include_stop_str_in_output``); unchanged for a token id or None."""
+    if not isinstance(stop_reason, str) or stop_reason not in text:
+        return text
+    start = text.find(stop_reason)
+    return text[: start + len(stop_reason) if include_stop_str else start]
+
+
+def omits_stop_token(finish_reason: str | None, stop_reason, params: SamplingParams, has_criteria: bool) -> bool:
+    """Whether a finished sequence's text leaves out its last token: the ``stop_token_ids`` id (``stop_reason``)
+    or the EOS token that ended it. vLLM's detokenizer leaves a stop-terminated sequence's last token out of the
+    text (it stays in ``token_ids``) unless ``include_stop_str_in_output``. A sequence ended by a transformers
+    ``StoppingCriteria`` has no ``stop_reason`` either: a request with criteria (``has_criteria``) keeps the text
+    of such a last token, as ``generate()`` keeps it (its EOS ids are ``stop_token_ids``, named by ``stop_reason``).
+    """
+    if finish_reason != "stop" or params.include_stop_str_in_output or isinstance(stop_reason, str):
+        return False
+    return stop_reason is not None or not has_criteria
 
 
 class _StopStrings:
@@ -219,7 +235,7 @@ class OutputProcessor:
         completions = []
         for seq in seqs:
             # NOTE: decoding the whole output is O(length): done once, when the request finishes.
-            text = cut_at_stop(self.decode(seq.output_token_ids), seq.stop_reason) if finished else ""
+            text = self.final_text(seq, bool(request.stopping_criteria)) if finished else ""
             logprobs = seq.logprobs
             completions.append(CompletionOutput(
                 seq.index, text, seq.token_ids[seq.num_prompt_tokens :],
@@ -230,6 +246,15 @@ class OutputProcessor:
         prompt_logprobs = seqs[0].prompt_logprobs  # the first sequence computes the prompt for all n
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
                              request.metrics, list(prompt_logprobs) if prompt_logprobs is not None else None)
+
+    def final_text(self, seq: Sequence, has_criteria: bool) -> str:
+        """A finished sequence's text: its output decoded, without the stop token or EOS that ended it
+        (``omits_stop_token``), cut at its stop string (``cut_at_stop``)."""
+        sp = seq.sampling_params
+        token_ids = seq.output_token_ids
+        if omits_stop_token(seq.status.finish_reason, seq.stop_reason, sp, has_criteria):
+            token_ids = token_ids[:-1]
+        return cut_at_stop(self.decode(token_ids), seq.stop_reason, sp.include_stop_str_in_output)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` ('' without a tokenizer)."""

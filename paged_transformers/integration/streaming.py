@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..core.engine import run_engine
-from ..core.output_processor import IncrementalDetokenizer, cut_at_stop
+from ..core.output_processor import IncrementalDetokenizer, cut_at_stop, omits_stop_token
 
 __all__ = ["IncrementalDetokenizer", "StreamDelta", "TextStream", "stream"]
 
@@ -73,10 +73,11 @@ def stream(
     """
     texts: dict[tuple[str, int], TextStream] = {}
     seen: dict[tuple[str, int], int] = {}  # (request_id, index) -> output tokens yielded; -1 once finished
+    params: dict[str, tuple] = {}  # request_id -> (SamplingParams, has criteria), noted before each step
+    _note_requests(engine, stopping_criteria or {}, params)
     for outputs in run_engine(engine, stopping_criteria):
         for out in outputs:
-            request = engine.requests.get(out.request_id)  # None once finished: its last output needs no stops
-            stops = request.sampling_params.stop if request is not None else ()
+            sp, has_criteria = params[out.request_id]
             for comp in out.outputs:
                 key = (out.request_id, comp.index)
                 start = seen.get(key, 0)
@@ -89,17 +90,29 @@ def stream(
                 text = ""
                 if engine.tokenizer is not None:
                     if key not in texts:
-                        texts[key] = TextStream(engine.tokenizer, skip_special_tokens, stops)
-                    text = texts[key].add(new_ids, comp.stop_reason if comp.finished else UNFINISHED)
+                        texts[key] = TextStream(engine.tokenizer, skip_special_tokens, sp)
+                    text = texts[key].add(new_ids, comp if comp.finished else UNFINISHED, has_criteria)
                     if comp.finished:
                         del texts[key]
                 yield StreamDelta(out.request_id, comp.index, new_ids, text, comp.finished, comp.finish_reason, comp.error)
             if out.finished:  # the engine forgets the request; its id may be used again
+                params.pop(out.request_id)
                 for comp in out.outputs:
                     seen.pop((out.request_id, comp.index), None)
+        _note_requests(engine, stopping_criteria or {}, params)
 
 
-UNFINISHED = object()  # TextStream.add: the sequence goes on (its stop_reason is not known yet)
+def _note_requests(engine, stopping_criteria: dict, params: dict) -> None:
+    """Record each unfinished request's ``SamplingParams`` and whether it has stopping criteria: the engine forgets
+    a request with its last output, whose text still needs them (requests added meanwhile are noted before the
+    step that runs them)."""
+    for request_id, request in engine.requests.items():
+        if request_id not in params:
+            criteria = bool(stopping_criteria.get(request_id) or request.stopping_criteria)
+            params[request_id] = (request.sampling_params, criteria)
+
+
+UNFINISHED = object()  # TextStream.add: the sequence goes on (how it ends is not known yet)
 
 
 def _held_back(text: str, stops) -> int:
@@ -114,25 +127,36 @@ def _held_back(text: str, stops) -> int:
 
 
 class TextStream:
-    """One sequence's streamed text: decoded incrementally, released only where no stop string can begin."""
+    """One sequence's streamed text: decoded incrementally, released only where no stop string can begin.
 
-    __slots__ = ("detokenizer", "stops", "text", "num_sent")
+    Args:
+        tokenizer: a transformers tokenizer.
+        skip_special_tokens: as in ``tokenizer.decode``.
+        params: the request's ``SamplingParams`` (its ``stop`` strings and ``include_stop_str_in_output``).
+    """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool, stops):
+    __slots__ = ("detokenizer", "params", "text", "num_sent")
+
+    def __init__(self, tokenizer, skip_special_tokens: bool, params):
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stops = list(stops)
+        self.params = params
         self.text = ""  # decoded so far
         self.num_sent = 0  # characters of ``text`` already yielded
 
-    def add(self, token_ids: list[int], stop_reason) -> str:
-        """Append tokens; return the text now safe to release (``stop_reason``: ``UNFINISHED``, or the
-        finished sequence's ``CompletionOutput.stop_reason``, where the text is cut as the engine cuts it)."""
+    def add(self, token_ids: list[int], finished, has_criteria: bool = False) -> str:
+        """Append tokens; return the text now safe to release. ``finished``: ``UNFINISHED``, or the finished
+        sequence's ``CompletionOutput``: the text then ends where the engine's final text ends (the stop token or
+        EOS that ended it left out, ``omits_stop_token``; cut at its stop string). ``has_criteria``: the request
+        had ``StoppingCriteria``."""
+        if finished is not UNFINISHED and omits_stop_token(finished.finish_reason, finished.stop_reason, self.params,
+                                                           has_criteria):  # fmt: skip
+            token_ids = token_ids[:-1]  # the stop token arrives with the sequence's last output, never before
         self.text += self.detokenizer.add(token_ids)
-        if stop_reason is UNFINISHED:
-            end = len(self.text) - _held_back(self.text, self.stops)
+        if finished is UNFINISHED:
+            end = len(self.text) - _held_back(self.text, self.params.stop)
         else:
             self.text += self.detokenizer.flush()
-            end = len(cut_at_stop(self.text, stop_reason))
+            end = len(cut_at_stop(self.text, finished.stop_reason, self.params.include_stop_str_in_output))
         assert end >= self.num_sent, f"stream released {self.num_sent} characters, the text ends at {end}: {self.text!r}"
         delta, self.num_sent = self.text[self.num_sent : end], end
         return delta

@@ -78,8 +78,6 @@ class SamplingFields(OpenAIBaseModel):
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
             if getattr(self, name) is not None:
                 bad.append(f"{name}: structured output is not supported")
-        if self.include_stop_str_in_output:
-            bad.append("include_stop_str_in_output: not supported (stop strings are cut from the output)")
         if self.prompt_logprobs is not None:
             bad.append("prompt_logprobs: not served as a field (vLLM's per-token objects); on /v1/completions, "
                        "echo=true with logprobs=k returns the prompt tokens' logprobs")

@@ -22,7 +22,7 @@ logger = logging.getLogger("paged_transformers.serve")
 
 SSE_DONE = "data: [DONE]\n\n"
 _PASSED_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "min_tokens",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty")  # fmt: skip
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "include_stop_str_in_output")  # fmt: skip
 
 
 class ServingError(Exception):
@@ -274,8 +274,8 @@ class OpenAIServing:
                 if comp.error is not None:
                     raise RuntimeError(f"sequence {index} failed: {comp.error}") from comp.error
                 if index not in texts:
-                    texts[index] = TextStream(self.tokenizer, True, params.stop)
-                text = texts[index].add(new_ids, comp.stop_reason if comp.finished else UNFINISHED)
+                    texts[index] = TextStream(self.tokenizer, True, params)
+                text = texts[index].add(new_ids, comp if comp.finished else UNFINISHED)
                 sent[index] = -1 if comp.finished else len(comp.token_ids)
                 logprobs = comp.logprobs[start : start + len(new_ids)] if comp.logprobs is not None else None
                 yield ChoiceDelta(index, i, text, new_ids, logprobs, comp.finish_reason,
