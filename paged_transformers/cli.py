@@ -15,8 +15,10 @@ from .sampling_params import SamplingParams
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one step")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most sequences in one step; None: by device (EngineConfig)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="most tokens in one step; None: by device (EngineConfig)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output, tokens; None: the model's max_position_embeddings")
     parser.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto",

@@ -12,6 +12,15 @@ class AttentionBackend(enum.Enum):
     TORCH = "torch"
 
 
+class UsageContext(enum.Enum):
+    """Which entry point builds the engine (vLLM's ``UsageContext``): it picks the default step limits
+    (``EngineConfig``'s table). ``LLM_CLASS``: ``LLM``, ``paged_generate``, the patched ``generate()``, ``bench``;
+    ``OPENAI_API_SERVER``: ``serve``."""
+
+    LLM_CLASS = "LLM_CLASS"
+    OPENAI_API_SERVER = "OPENAI_API_SERVER"
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Limits and sizes of the paged engine (names as vLLM uses them).
@@ -27,8 +36,30 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output) in tokens; default: the model's
             ``max_position_embeddings``. A sequence that reaches it finishes with
             ``finish_reason="length"``; a prompt longer than it is rejected.
-        max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: most tokens (prefill + decode) in one step (the token budget).
+        max_num_seqs: most sequences in one step. None (default): by device and ``usage_context``, below.
+        max_num_batched_tokens: most tokens (prefill + decode) in one step (the token budget). None (default): by
+            device and ``usage_context``, below.
+        max_cudagraph_capture_size: the largest decode step (sequences) replayed from a CUDA graph; larger decode
+            steps run eagerly. None (default): ``min(2 * max_num_seqs, 512, max_num_batched_tokens)`` (vLLM's).
+            Either way capped at ``max_num_batched_tokens`` and, as the graphs hold decode steps only, at
+            ``max_num_seqs``. Graphs are captured per bucket at its first step (``capture_cudagraphs()``: all at
+            once), so a larger limit costs capture time and graph memory only when those batch sizes run.
+        usage_context: ``UsageContext`` (or its value as a string) whose defaults the None limits take:
+            ``"LLM_CLASS"`` (default) or ``"OPENAI_API_SERVER"`` (what ``serve`` sets).
+
+            The defaults are vLLM's (``EngineArgs.get_batch_defaults``), picked when the engine starts on its
+            device (``paged_transformers.core.batch_defaults``); a value given explicitly always wins::
+
+                device                                 LLM_CLASS tokens / seqs   OPENAI_API_SERVER
+                CUDA with >= 70 GiB, not an A100            16384 / 1024             8192 / 1024
+                other CUDA devices (A100, 40 or 24 GiB)      8192 / 256              2048 / 256
+                CPU                                          8192 / 256              8192 / 256
+
+            then ``max_num_batched_tokens = min(max_num_seqs * max_model_len, default)`` (with chunked prefill off,
+            at least ``max_model_len`` first) and ``max_num_seqs = min(default, max_num_batched_tokens)``. On CPU the
+            engine keeps its earlier values instead of vLLM's (4096 / 256 and 2048 / 128). ``LLMEngine.config``
+            holds the values picked. The KV pool is sized after a profiled step of ``max_num_batched_tokens``
+            tokens, so a larger budget leaves a smaller pool within ``gpu_memory_utilization``.
         enable_chunked_prefill: split prompts longer than the remaining token budget across steps.
             When False, a prompt longer than ``max_num_batched_tokens`` is rejected and every prompt
             is computed in one step; a sequence resumed after preemption is still recomputed in chunks.
@@ -97,8 +128,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_cudagraph_capture_size: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackend | str = AttentionBackend.AUTO
@@ -108,6 +140,7 @@ class EngineConfig:
     async_scheduling: bool = True
     cpu_prepack_weights: bool | None = None
     tensor_parallel_size: int = 1
+    usage_context: UsageContext | str = UsageContext.LLM_CLASS
 
     CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -115,7 +148,7 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field; ``attention_backend`` is parsed into ``AttentionBackend`` in place.
+        """Check every field; ``attention_backend`` and ``usage_context`` are parsed into their enums in place.
 
         Run at construction and again by ``LLMEngine`` (on its own copy), so a field changed after
         construction (``cfg.block_size = 0``) gets the same ValueError.
@@ -123,11 +156,12 @@ class EngineConfig:
         Raises:
             ValueError: a field of the wrong type or out of range, naming the field and the value.
         """
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_model_len"):
+        for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "max_cudagraph_capture_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -147,3 +181,8 @@ class EngineConfig:
         except ValueError:
             allowed = [b.value for b in AttentionBackend]
             raise ValueError(f"attention_backend must be one of {allowed}, got {self.attention_backend!r}") from None
+        try:
+            self.usage_context = UsageContext(self.usage_context)
+        except ValueError:
+            allowed = [c.value for c in UsageContext]
+            raise ValueError(f"usage_context must be one of {allowed}, got {self.usage_context!r}") from None

@@ -5,8 +5,10 @@ eager decode."""
 import pytest
 import torch
 
-from paged_transformers import EngineConfig, LLMEngine, SamplingParams
+from paged_transformers import LLM, EngineConfig, LLMEngine, SamplingParams
 from paged_transformers.compilation import Compilation, DecodeGraphs, graph_batch_sizes
+from paged_transformers.core.attention import ATTENTION_NAME
+from paged_transformers.integration.compat import attn_implementation
 from paged_transformers.core.runner import ModelRunner
 
 from conftest import engine_greedy, make_tiny_model, random_prompts, stock_greedy
@@ -53,7 +55,8 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and graph_batch_sizes(256)[-1] == 256
-    with pytest.raises(ValueError, match="max_num_seqs"):
+    assert len(graph_batch_sizes(256)) == 20 and len(graph_batch_sizes(512)) == 36
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
         graph_batch_sizes(0)
 
 
@@ -128,11 +131,13 @@ class _StandInGraph:
         self.logits.copy_(self.forward())
 
 
-def _graphed_run(monkeypatch, fail_at: int | None = None, capture_first: bool = False):
+def _graphed_run(monkeypatch, fail_at: int | None = None, capture_first: bool = False, detached_capture: bool = False,
+                 max_cudagraph_capture_size: int | None = None):
     """Six prompts of decreasing lengths (decode batches 6 down to 1) on an engine whose runner replays decode steps
-    from stand-in graphs (a ``Compilation`` with decode graphs given to the runner on CPU). ``fail_at``: the capture
-    that raises (1-based); ``capture_first``: ``engine.capture_cudagraphs()`` before the requests (its count is
-    appended to ``captures``).
+    from stand-in graphs (a ``Compilation`` with decode graphs up to the engine's ``max_cudagraph_capture_size``
+    given to the runner on CPU). ``fail_at``: the capture that raises (1-based); ``capture_first``:
+    ``engine.capture_cudagraphs()`` before the requests (its count is appended to ``captures``), on the engine
+    detached first with ``detached_capture`` (and attached again after it).
 
     Returns:
         ``(tokens, runner, captures)``: the new tokens per prompt, the runner (after close) and the bucket of
@@ -152,14 +157,20 @@ def _graphed_run(monkeypatch, fail_at: int | None = None, capture_first: bool = 
     model = make_tiny_model("llama", seed=8)
     prompts = random_prompts(6, 3, 30, seed=8)
     lengths = [4 + 3 * i for i in range(len(prompts))]
-    config = EngineConfig(max_num_seqs=8, attention_backend="torch", max_model_len=128)
+    config = EngineConfig(max_num_seqs=8, attention_backend="torch", max_model_len=128,
+                          max_cudagraph_capture_size=max_cudagraph_capture_size)
     with LLMEngine(model, engine_config=config) as engine:
         runner = engine.runner
         assert not engine.execution_plan.cuda_graphs and runner.graphs is None  # CPU: off
-        runner.compilation = Compilation(model, runner.device, config.max_num_seqs, cuda_graphs=True)
+        runner.compilation = Compilation(model, runner.device, engine.config.max_cudagraph_capture_size, cuda_graphs=True)
         runner.record_steps = True
+        if detached_capture:
+            engine.detach()
         if capture_first:
             captures.append(engine.capture_cudagraphs())
+        if detached_capture:
+            assert not engine.attached and attn_implementation(model.config) != ATTENTION_NAME  # detached again
+            engine.attach()
         got = engine_greedy(engine, prompts, lengths)
         runner.captured = sorted(runner.graphs.graphs)  # read before close(), which frees the graphs
     assert got == [stock_greedy(model, p, n)[0] for p, n in zip(prompts, lengths)]
@@ -184,6 +195,36 @@ def test_capture_cudagraphs_captures_every_bucket_before_the_first_step(monkeypa
     assert captures == [1, 2, 4, 8, 4]  # the four buckets, then capture_cudagraphs' count; nothing during the run
     assert runner.captured == [1, 2, 4, 8]
     assert {s.num_seqs for s in runner.steps if s.kind == "graph"} == {1, 2, 3, 4, 5, 6}
+
+
+def test_capture_cudagraphs_on_a_detached_engine_attaches_for_the_capture(monkeypatch):
+    """A warm engine between calls is detached (``LLM(...).llm_engine``): the capture attaches it, captures every
+    bucket, and detaches it again; the run after replays them without capturing; tokens equal stock."""
+    _, runner, captures = _graphed_run(monkeypatch, capture_first=True, detached_capture=True)
+    assert captures == [1, 2, 4, 8, 4]
+    assert {s.num_seqs for s in runner.steps if s.kind == "graph"} == {1, 2, 3, 4, 5, 6}
+
+
+def test_llm_engine_capture_cudagraphs_on_cpu_captures_nothing_and_leaves_it_detached():
+    """README's ``llm.llm_engine.capture_cudagraphs()`` on CPU: no graphs (0), no error, the engine detached after."""
+    model = make_tiny_model("llama", seed=8)
+    with LLM(model, attention_backend="torch", max_model_len=64, kv_cache_memory_bytes=1 << 20) as llm:
+        engine = llm.llm_engine
+        assert not engine.attached
+        assert engine.capture_cudagraphs() == 0
+        assert not engine.attached and attn_implementation(model.config) != ATTENTION_NAME
+        (out,) = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert out.outputs[0].token_ids == stock_greedy(model, [3, 4, 5], 3)[0]
+
+
+def test_decode_steps_above_max_cudagraph_capture_size_run_eagerly(monkeypatch):
+    """``max_cudagraph_capture_size=4`` with 8 sequences: buckets 1, 2, 4 only; the decode steps of 5 and 6
+    sequences run eagerly; tokens equal stock."""
+    _, runner, captures = _graphed_run(monkeypatch, max_cudagraph_capture_size=4)
+    assert captures == [4, 2, 1] and runner.captured == [1, 2, 4]
+    decode = [s for s in runner.steps if s.num_tokens == s.num_seqs]
+    assert {s.num_seqs for s in decode if s.kind == "graph"} == {1, 2, 3, 4}
+    assert {s.num_seqs for s in decode if s.kind == "eager"} >= {5, 6}
 
 
 def test_capture_cudagraphs_without_graphs_captures_nothing():

@@ -21,17 +21,19 @@ _SMALL_BUCKETS = (1, 2, 4, 8)
 _BUCKET_STRIDE = 16
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes (sequences) a decode CUDA graph is captured for, ascending; the last is ``max_num_seqs``.
+def graph_batch_sizes(max_cudagraph_capture_size: int) -> list[int]:
+    """Batch sizes (sequences) a decode CUDA graph is captured for, ascending; the last is
+    ``max_cudagraph_capture_size`` (``EngineConfig``'s: 256 for 256 sequences gives 20 buckets, 512 gives 36).
 
     Raises:
-        ValueError: ``max_num_seqs`` not positive.
+        ValueError: ``max_cudagraph_capture_size`` not positive.
     """
-    if max_num_seqs <= 0:
-        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
-    sizes = [s for s in _SMALL_BUCKETS if s < max_num_seqs]
-    sizes += [s for s in range(_BUCKET_STRIDE, max_num_seqs, _BUCKET_STRIDE)]
-    sizes.append(max_num_seqs)
+    largest = max_cudagraph_capture_size
+    if largest <= 0:
+        raise ValueError(f"max_cudagraph_capture_size must be positive, got {largest}")
+    sizes = [s for s in _SMALL_BUCKETS if s < largest]
+    sizes += [s for s in range(_BUCKET_STRIDE, largest, _BUCKET_STRIDE)]
+    sizes.append(largest)
     return sorted(set(sizes))
 
 
@@ -40,7 +42,7 @@ class DecodeGraphs:
 
     Args:
         device: the CUDA device the graphs run on.
-        max_num_seqs: the largest bucket (``graph_batch_sizes``).
+        max_cudagraph_capture_size: the largest bucket (``graph_batch_sizes``).
 
     Attributes:
         enabled: False after a failed capture (every graph dropped; decode steps run eagerly from then on).
@@ -49,10 +51,10 @@ class DecodeGraphs:
         capture_error: why the capture failed, or None.
     """
 
-    def __init__(self, device: torch.device, max_num_seqs: int):
+    def __init__(self, device: torch.device, max_cudagraph_capture_size: int):
         self.device = device
         self.enabled = True
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = graph_batch_sizes(max_cudagraph_capture_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_error: str | None = None

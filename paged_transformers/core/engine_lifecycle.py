@@ -156,15 +156,26 @@ class EngineLifecycle:
         and the patched ``generate()`` keep capturing lazily, so that a process that only decodes at batch 1
         captures one graph. ``sleep()`` drops the graphs; call this again after ``wake_up()``.
 
+        A detached engine (a warm engine between calls: ``LLM(...).llm_engine``) is attached for the capture and
+        detached again (``attach``'s weight check included), so call it between calls, not while another thread's
+        call on the model runs.
+
         Returns:
             The number of graphs captured (0 without CUDA graphs: CPU, ``enforce_eager``).
 
         Raises:
-            RuntimeError: the engine is closed, detached or asleep (``_check_usable``).
+            RuntimeError: the engine is closed or asleep (``_check_usable``).
+            StaleWeightsError: detached, and the model's weights were replaced since (``attach``).
         """
-        self._check_usable()
-        self._drain()
-        return self.runner.capture_decode_graphs()
+        if self.attached or self.closed or self.sleeping:
+            self._check_usable()  # closed, or asleep (an asleep engine has no pool for the graphs to read)
+            self._drain()
+            return self.runner.capture_decode_graphs()
+        self.attach()
+        try:
+            return self.runner.capture_decode_graphs()
+        finally:
+            self.detach()
 
     def _drain(self) -> None:
         """Wait for the step left running on the device, if any (async scheduling), and forget it."""

@@ -14,8 +14,8 @@ def model_kv_shape(config) -> tuple[int, int, int]:
     return text_config.num_hidden_layers, num_kv_heads, head_dim
 
 
-# NOTE: decode CUDA graphs keep a private memory pool (activations of a max_num_seqs-token forward and
-# the static logits), captured after the KV pool exists; this reserve keeps them from meeting OOM.
+# NOTE: decode CUDA graphs keep a private memory pool (activations of the largest bucket's forward and every
+# bucket's static logits), captured after the KV pool exists; this reserve, at least, keeps them from meeting OOM.
 CUDA_GRAPH_RESERVE_BYTES = 1 << 30
 
 
@@ -34,8 +34,8 @@ def profile_activation_bytes(model: torch.nn.Module, config: EngineConfig) -> in
     The forward is one dummy sequence through the model's own attention (the paged attention needs no
     extra memory beyond its inputs and output), with logits for ``max_num_seqs`` rows. On top of the
     measured peak: the sampler's float32 copies of those logits (the runner's ``float()``, the clone and
-    the softmax: 3 x ``max_num_seqs x vocab_size x 4`` bytes) and, unless ``enforce_eager``,
-    ``CUDA_GRAPH_RESERVE_BYTES`` for the decode graphs.
+    the softmax: 3 x ``max_num_seqs x vocab_size x 4`` bytes) and, unless ``enforce_eager``, the decode graphs'
+    pool (``graph_pool_bytes``). ``config`` is the engine's resolved one (``core.batch_defaults``).
 
     Returns:
         Bytes (int).
@@ -53,8 +53,27 @@ def profile_activation_bytes(model: torch.nn.Module, config: EngineConfig) -> in
     torch.cuda.empty_cache()
     vocab_size = model.config.get_text_config().vocab_size
     sampler = 3 * min(config.max_num_seqs, num_tokens) * vocab_size * 4
-    graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
-    return peak + sampler + graphs
+    if config.enforce_eager:
+        return peak + sampler
+    itemsize = model_compute_dtype(model).itemsize
+    return peak + sampler + graph_pool_bytes(config.max_cudagraph_capture_size, vocab_size, itemsize, peak, num_tokens)
+
+
+def graph_pool_bytes(max_cudagraph_capture_size: int, vocab_size: int, logits_itemsize: int, step_peak_bytes: int,
+                     num_tokens: int) -> int:
+    """Bytes the decode graphs' private pool may reach, and at least ``CUDA_GRAPH_RESERVE_BYTES``.
+
+    Each bucket's graph keeps its static logits ``[1, bucket, vocab_size]`` (the model's dtype, ``logits_itemsize``
+    bytes each) for good; the activations of one capture are freed for the next, so the largest bucket's count. Those
+    are estimated as its share of ``step_peak_bytes``, the profiled peak of a ``num_tokens``-token step (activations
+    grow with the tokens: the paged attention keeps no score matrix). Llama-3-8B's vocabulary (128,256), bf16: 0.56
+    GB of logits for the 20 buckets up to 256 rows, 2.17 GB for the 36 up to 512.
+    """
+    from ..compilation.cuda_graphs import graph_batch_sizes
+
+    logits = sum(graph_batch_sizes(max_cudagraph_capture_size)) * vocab_size * logits_itemsize
+    activations = step_peak_bytes * min(max_cudagraph_capture_size, num_tokens) // num_tokens
+    return max(CUDA_GRAPH_RESERVE_BYTES, logits + activations)
 
 
 def num_kv_blocks(model: torch.nn.Module, config: EngineConfig, max_model_len: int, bytes_per_block: int) -> int:

@@ -52,8 +52,9 @@ class LLM:
             there (reproducible from process start; calls in sequence get different draws). None leaves the global
             generator alone. A request's own ``seed`` always wins.
         gpu_memory_utilization, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-        enable_prefix_caching, enforce_eager: ``EngineConfig`` fields (vLLM's meaning). ``max_num_seqs`` 256 and
-            ``max_num_batched_tokens`` 8192 are ``EngineConfig``'s defaults (vLLM's for GPUs under 70 GiB).
+        enable_prefix_caching, enforce_eager: ``EngineConfig`` fields (vLLM's meaning). ``max_num_seqs`` and
+            ``max_num_batched_tokens`` left None are picked for the device as vLLM's ``LLM`` picks them: 1024 and
+            16384 on a CUDA device of >= 70 GiB that is not an A100, else 256 and 8192 (``EngineConfig`` has the rule).
         device: where an unloaded checkpoint goes; default ``"cuda"`` if available, else ``"cpu"``.
         **engine_kwargs: any other ``EngineConfig`` field (``kv_cache_memory_bytes``, ``num_gpu_blocks``,
             ``attention_backend``, ``enable_chunked_prefill``, ``async_scheduling``, ...).
@@ -96,8 +97,8 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         device: str | torch.device | None = None,

@@ -11,7 +11,9 @@ projections and CUDA graphs made once and reused by every later call. Each call 
 Policies:
 
 - **Reuse and rebuild.** ``engine_config=None`` uses the warm engine as it is (``EngineConfig()`` when there is
-  none); an equal config reuses it; a different config closes it and builds a new one (one engine per model).
+  none); a config equal to the one the warm engine was built from (``requested_config``: its step limits left
+  None, not the values picked for the device) reuses it; a different config closes it and builds a new one (one
+  engine per model).
   A call that needs longer sequences than the warm engine's ``max_model_len`` (``min_model_len``) rebuilds it
   with ``max_model_len=None`` (the model's ``max_position_embeddings``) when the call gave no config, and is
   refused with a ValueError when its config sets a shorter ``max_model_len``.
@@ -137,7 +139,7 @@ def _engine_locked(holder: _Holder, model, tokenizer, engine_config: EngineConfi
     engine = holder.engine
     if engine is None or engine.closed:
         engine = _build(holder, model, tokenizer, engine_config, None)
-    elif engine_config is not None and engine_config != engine.config:
+    elif engine_config is not None and engine_config != engine.requested_config:
         engine = _build(holder, model, tokenizer or engine.tokenizer, engine_config, "another engine_config was given")
     if tokenizer is not None:
         engine.tokenizer = tokenizer
@@ -229,7 +231,7 @@ def attached_engine(
         if min_model_len is not None and engine.max_model_len < min_model_len:
             if engine_config is None:
                 reason = f"a call needs {min_model_len} tokens, over max_model_len={engine.max_model_len}"
-                engine = _build(holder, model, engine.tokenizer, dataclasses.replace(engine.config, max_model_len=None), reason)
+                engine = _build(holder, model, engine.tokenizer, dataclasses.replace(engine.requested_config, max_model_len=None), reason)
             if engine.max_model_len < min_model_len:
                 raise ValueError(f"this call needs sequences of {min_model_len} tokens, over the engine's "
                                  f"max_model_len={engine.max_model_len} (the model's maximum)")
@@ -237,7 +239,7 @@ def attached_engine(
         try:
             engine.attach()
         except StaleWeightsError as e:
-            engine = _build(holder, model, engine.tokenizer, engine.config, str(e))
+            engine = _build(holder, model, engine.tokenizer, engine.requested_config, str(e))
             engine.attach()
         holder.in_call = True
         try:

@@ -4,7 +4,7 @@ import argparse
 
 import torch
 
-from ...config import EngineConfig
+from ...config import EngineConfig, UsageContext
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # bytes; larger request bodies get a 413 (a 128k-token prompt is under 1 MiB)
 
@@ -43,9 +43,10 @@ def add_server_arguments(parser: argparse.ArgumentParser, model_positional: bool
                         help="share of the GPU memory for weights, activations and the KV cache")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="exact number of KV blocks in the pool, instead of sizing it by --gpu-memory-utilization")
-    parser.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs, help="most sequences in one step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
-                        help="most tokens in one step")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most sequences in one step; None: by device, the server's defaults (EngineConfig)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="most tokens in one step; None: by device, the server's defaults (EngineConfig)")
     parser.add_argument("--block-size", type=int, default=default.block_size, help="tokens per KV block")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=default.enable_prefix_caching, help="reuse the KV blocks of shared prompt prefixes")
@@ -68,7 +69,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, model_positional: bool
 
 
 def llm_arguments(args) -> dict:
-    """The parsed options that ``LLM`` takes, as its keyword arguments."""
+    """The parsed options that ``LLM`` takes, as its keyword arguments, with the server's usage context (vLLM's
+    ``OPENAI_API_SERVER``: its defaults for the step limits left None, ``EngineConfig``)."""
     return dict(
         tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code, dtype=args.dtype,
         quantization=args.quantization, max_model_len=args.max_model_len,
@@ -77,6 +79,7 @@ def llm_arguments(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed, device=args.device,
+        usage_context=UsageContext.OPENAI_API_SERVER,
     )  # fmt: skip
 
 
