@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from .attention import resolve_backend
+from .batch_defaults import DeviceDescription, resolve_batch_limits
 from ..config import EngineConfig
 from .engine_inputs import check_sampling_params, model_limits, tokenize, validate_prompt
 from .engine_lifecycle import EngineLifecycle, check_loaded_model, check_not_attached, eos_token_ids
@@ -72,7 +73,9 @@ class LLMEngine(EngineLifecycle):
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface``.
         tokenizer: optional; needed for string prompts, output text and ``stop`` strings.
-        engine_config: ``EngineConfig``; default ``EngineConfig()``.
+        engine_config: ``EngineConfig``; default ``EngineConfig()``. The engine runs on a copy whose step limits
+            left None are picked for the model's device (``core.batch_defaults``): ``config``; ``requested_config`` is
+            the copy as given.
 
     Raises:
         ValueError: ``model`` not a loaded model (a path or hub id: see ``check_loaded_model``);
@@ -115,6 +118,10 @@ class LLMEngine(EngineLifecycle):
         self.vocab_size, self.max_model_len = model_limits(model, self.config)
         param = next(model.parameters())
         self.device = device = param.device
+        # the config as given (what the warm engine compares a call's config with), and the one the engine runs:
+        # the step limits left None picked for this device (batch_defaults.py)
+        self.requested_config = self.config
+        self.config = resolve_batch_limits(self.config, DeviceDescription.of(device), self.max_model_len)
         sizing_s = self._make_pool(device, model_compute_dtype(model))
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.scheduler = Scheduler(self.config, self.cache.block_manager, self.max_model_len)
@@ -128,6 +135,7 @@ class LLMEngine(EngineLifecycle):
             self.runner = ModelRunner(
                 model, self.cache, backend, max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                max_cudagraph_capture_size=self.config.max_cudagraph_capture_size,
                 use_cuda_graphs=not self.config.enforce_eager, compile_layers=self.config.compile_layers,
                 fuse_projections=self.config.fuse_projections, cpu_prepack_weights=self.config.cpu_prepack_weights,
             )
