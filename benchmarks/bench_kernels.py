@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from paged_transformers.kernels import paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref
+from paged_transformers.kernels.api import paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref
 
 pa = importlib.import_module("paged_transformers.kernels.paged_attention")  # the module (name shared with the function)
 

@@ -8,7 +8,13 @@ Public API::
     from paged_transformers import engine_for, release       # the model's warm engine; free it
 """
 
-from .integration.cache import PagedCache
+from pathlib import Path as _Path
+
+from ._source_tree import map_source_folders as _map_source_folders
+
+_map_source_folders(__name__, _Path(__file__).resolve().parent)  # before any import of .kernels or .patches
+
+from .integration.cache import PagedCache  # noqa: E402
 from .config import AttentionBackend, EngineConfig
 from .core.engine import LLMEngine
 from .integration.generate import paged_generate
@@ -16,7 +22,7 @@ from .entrypoints.llm import LLM, ModelEngine
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .integration.generation_config import PerRequest
-from .patches import patch, unpatch
+from .patches.generate import patch, unpatch
 from .quantization import load_model
 from .integration.warm import engine_for, release
 

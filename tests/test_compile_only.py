@@ -6,8 +6,9 @@ import types
 import pytest
 import torch
 
+from paged_transformers.kernels import _launch
+from paged_transformers.kernels.api import compile_only
 from paged_transformers.core.execution_plan import LayerPath
-from paged_transformers.kernels import _launch, compile_only
 from paged_transformers.kernels.argmax import argmax_rows
 
 CUDA = torch.cuda.is_available()

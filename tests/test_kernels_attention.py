@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from paged_transformers.kernels import paged_attention, paged_attention_ref  # noqa: E402
+from paged_transformers.kernels.api import paged_attention, paged_attention_ref  # noqa: E402
 from paged_transformers.kernels.paged_attention import (  # noqa: E402
     KernelConfig, pick_config, pick_num_kv_splits, plan_launches)
 

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from paged_transformers.kernels import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
+from paged_transformers.kernels.api import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -154,7 +154,7 @@ def test_unpatch_and_context_manager():
 
     original = GenerationMixin.generate
     handle = paged_transformers.patch()
-    assert GenerationMixin.generate is not original and paged_transformers.patches.is_patched()
+    assert GenerationMixin.generate is not original and patch_module.is_patched()
     paged_transformers.patch()  # idempotent
     paged_transformers.unpatch()
     assert GenerationMixin.generate is original

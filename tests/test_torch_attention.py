@@ -14,7 +14,7 @@ import torch
 
 from paged_transformers.core.attention import resolve_backend
 from paged_transformers.config import AttentionBackend
-from paged_transformers.kernels import paged_attention_ref, reshape_and_cache_ref
+from paged_transformers.kernels.api import paged_attention_ref, reshape_and_cache_ref
 from paged_transformers.kernels.torch_attention import paged_attention_torch, reshape_and_cache_torch
 
 # ||out - ref|| / ||ref||: both compute in float32 from the same inputs; bf16 adds the output's rounding

@@ -52,7 +52,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 def test_triton_backend_can_be_captured():
     """The Triton wrappers read nothing back from the device (test_kernels_attention.py::test_no_host_sync_with_bounds),
     so the backend says a CUDA graph can capture it; the runner reads that flag."""
-    from paged_transformers.kernels import paged_attention, reshape_and_cache
+    from paged_transformers.kernels.api import paged_attention, reshape_and_cache
 
     ops = resolve_backend(AttentionBackend.TRITON, DEVICE)
     assert (ops.write_kv, ops.attend, ops.graph_capturable) == (reshape_and_cache, paged_attention, True)

@@ -132,7 +132,7 @@ def stock_and_patched(model, fn, repeats: int) -> dict:
     """``fn()`` (a ``generate`` or ``pipeline`` call) timed unpatched, then patched (after one untimed call
     each: stock's warm-up, and the patched path's first call, whose time is reported too). Returns the times
     (seconds), the speed-up and both last results."""
-    from ..patches import patch
+    from ..patches.generate import patch
 
     fn()
     stock_s, stock_out = _median_time(fn, repeats)

@@ -87,7 +87,7 @@ def resolve_backend(backend: AttentionBackend, device: torch.device) -> Attentio
             "before starting Python, or use attention_backend='torch'"
         )
     try:
-        from ..kernels import paged_attention, reshape_and_cache
+        from ..kernels.api import paged_attention, reshape_and_cache
     except ImportError as e:
         raise RuntimeError(f"attention_backend='triton' needs the triton package: {e}") from e
     return AttentionOps(reshape_and_cache, paged_attention, graph_capturable=True)

@@ -19,7 +19,7 @@ import torch
 
 from . import cpu_linear
 from .attention import ATTENTION_NAME, AttentionMetadata, AttentionOps
-from ..kernels import compile_only
+from ..kernels.api import compile_only
 from .draw import argmax, host_to_device
 from .execution_plan import DeviceFacts, ExecutionPlan, LayerPath, ModelFacts, resolve_execution_plan
 from ..integration.compat import attn_implementation

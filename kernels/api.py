@@ -2,7 +2,10 @@
 signature.
 
 Installed as ``paged_transformers.kernels`` (never as a top-level ``kernels``: that name belongs to
-Hugging Face's own package).
+Hugging Face's own package). The folder has no ``__init__.py``, so that from the checkout root (the current
+directory first on ``sys.path``) ``import kernels`` still finds Hugging Face's: a folder without one is only a
+namespace portion, and a regular package later on the path wins over it. What a package init would export is
+here: import it from ``paged_transformers.kernels.api`` (or a family's folder).
 
 Cache layout, per layer (vLLM's flash layout)::
 
