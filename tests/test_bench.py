@@ -126,3 +126,21 @@ def test_compile_flags_set_compile_layers_and_exclude_each_other(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--compile", "--no-compile"])
     assert "not allowed with argument --compile" in capsys.readouterr().err
+
+
+def test_bench_reports_the_limits_picked_and_a_sweep_point_of_explicit_limits(tmp_path, capsys):
+    """The main run leaves the step limits to the device (CPU: 256 sequences, 8192 tokens, graphs up to 256); single
+    sweep values make one point, run with exactly those limits."""
+    out = tmp_path / "bench.json"
+    status, _ = _run_cli(["bench", "--model", "tiny-llama", "--dtype", "float32", "--device", "cpu",
+                          "--num-requests", "3", "--input-len-range", "4", "8", "--output-len-range", "2", "3",
+                          "--attention-backend", "torch", "--sweep", "max_num_seqs=2", "--sweep", "max_num_batched_tokens=64",
+                          "--sweep", "max_cudagraph_capture_size=2", "--output-json", str(out)], capsys)
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert report["engine_config"]["max_num_seqs"] is None
+    want = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_cudagraph_capture_size": 256}
+    assert report["engines"]["paged"]["engine_limits"] == want
+    (point,) = report["sweep"]
+    assert point["engine_limits"] == {"max_num_seqs": 2, "max_num_batched_tokens": 64, "max_cudagraph_capture_size": 2}
+    assert point["decode_batch1_s_p50"] is None  # CPU: no batch-1 measurement

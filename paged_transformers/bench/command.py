@@ -47,9 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the compared engines on the first N requests only; None: all")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of hf-generate")
     parser.add_argument("--block-size", type=int, default=default.block_size, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs, help="most sequences in one step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
-                        help="most tokens in one step")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most sequences in one step; None: by device, as vLLM's LLM (EngineConfig)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="most tokens in one step; None: by device, as vLLM's LLM (EngineConfig)")
+    parser.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                        help="largest decode step replayed from a CUDA graph; None: min(2 * max_num_seqs, 512)")
     parser.add_argument("--max-model-len", type=int, default=None, help="tokens; None: the longest request, rounded up")
     parser.add_argument("--gpu-memory-utilization", type=float, default=default.gpu_memory_utilization,
                         help="share of the device memory for weights, activations and the KV pool")
@@ -70,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks the model is split over (one process each; --model must be a checkpoint path)")
     parser.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2",
                         help="also run the paged engine for each value of an EngineConfig field (repeatable; "
-                             "the product of all sweeps); results under 'sweep'")
+                             "the product of all sweeps: single values give one point, e.g. a set of limits), each "
+                             "with the batch-1 decode unless --no-batch1; results under 'sweep'")
     parser.add_argument("--skip-paged", action="store_true", help="only the compared engines")
     parser.add_argument("--no-batch1", action="store_true", help="skip the batch-1 decode measurement")
     parser.add_argument("--entry-points", action="store_true",
@@ -90,6 +94,7 @@ def _engine_config(args, requests: list[BenchRequest], **overrides) -> EngineCon
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     fields = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                   max_model_len=args.max_model_len or -(-longest // 256) * 256,
                   gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks,
                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
@@ -219,11 +224,12 @@ def run_bench(args) -> dict:
         report["sweep"] = []
         for point in _sweep_points(args.sweep):
             cfg = _engine_config(args, requests, **point)
-            res = summarize(run_paged(model, requests, cfg, batch1_context=None,
+            res = summarize(run_paged(model, requests, cfg, batch1_context=None if args.no_batch1 else 512,
                                       make_engine=engines and functools.partial(engines.make, cfg)))
             report["sweep"].append({**point, "output_tokens_per_s": res["output_tokens_per_s"],
                                     "tpot_s_p50": res["tpot_s"]["p50"], "ttft_s_p50": res["ttft_s"]["p50"],
-                                    "kv_capacity_tokens": res["kv_capacity_tokens"],
+                                    "kv_capacity_tokens": res["kv_capacity_tokens"], "engine_limits": res["engine_limits"],
+                                    "decode_batch1_s_p50": (res.get("decode_batch1") or {}).get("tpot_s_p50"),
                                     "step_overhead": res["step_overhead"]})
             _save_partial(report, args)
     return report

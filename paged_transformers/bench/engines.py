@@ -125,6 +125,9 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
             kv_blocks_used=stats.peak_num_used_blocks if stats else engine.peak_num_used_blocks,
             kv_blocks_total=engine.cache.num_blocks,
             kv_capacity_tokens=engine.cache.num_blocks * engine.cache.block_size,
+            # the step limits the engine runs with (those the config left None picked for the device)
+            engine_limits={k: getattr(engine.config, k) for k in ("max_num_seqs", "max_num_batched_tokens",
+                                                                 "max_cudagraph_capture_size")},
             prefix_cache_hit_rate=_delta_rate(stats0, stats),
             num_preemptions=stats.num_preemptions - stats0.num_preemptions if stats else None,
             cuda_graphs=sorted(runner.graphs.graphs) if runner.graphs is not None else [],
