@@ -94,6 +94,17 @@ def test_chat_equals_stock_on_the_templated_prompt(llm, smollm2):
         assert_stock_tokens(out.outputs[0].token_ids, *stock_greedy(model, ids, GREEDY.max_tokens), f"conversation {i}")
 
 
+def test_a_lone_surrogate_is_a_value_error_naming_the_prompt(llm):
+    """A lone UTF-16 surrogate (``"\\ud800"`` in JSON) has no UTF-8 encoding: the tokenizer used to raise a
+    TypeError; ``generate`` and ``chat`` raise a ValueError naming the prompt or conversation, nothing queued."""
+    with pytest.raises(ValueError, match=r"^prompt 1: .*surrogate U\+D800 at character 3"):
+        llm.generate(["fine", "hi \ud800 there"], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^conversation 1: .*surrogate U\+DC00"):
+        llm.chat([[{"role": "user", "content": "fine"}], [{"role": "user", "content": "x \udc00"}]], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.requests
+    assert llm.generate(["fine"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("messages", [
     [{"role": "user"}],  # no content: used to surface as jinja2's UndefinedError
     [[{"role": "user", "content": "hi"}], [{"content": "no role"}]],

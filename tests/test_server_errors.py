@@ -67,6 +67,29 @@ BAD_COMPLETIONS = [
     ({**GOOD, "logit_bias": {"abc": 1}}, "logit_bias"),
     ({**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "Hello", "max_tokens": "x", "n": "y"}, "any"),
+    # strict types: a string or a number for a boolean, a fraction or a string for an integer used to be coerced
+    ({**GOOD, "stream": "yes"}, "stream"),
+    ({**GOOD, "stream": 1}, "stream"),
+    ({**GOOD, "echo": "1"}, "echo"),
+    ({**GOOD, "ignore_eos": "true"}, "ignore_eos"),
+    ({**GOOD, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({**GOOD, "skip_special_tokens": "yes"}, "skip_special_tokens"),
+    ({**GOOD, "skip_special_tokens": False}, "skip_special_tokens"),  # not served: special tokens are always skipped
+    ({**GOOD, "n": 1.5}, "n"),
+    ({**GOOD, "n": "1"}, "n"),
+    ({**GOOD, "max_tokens": 1.5}, "max_tokens"),
+    ({**GOOD, "max_tokens": "2"}, "max_tokens"),
+    ({**GOOD, "logprobs": "1"}, "logprobs"),
+    ({**GOOD, "min_tokens": 1.0}, "min_tokens"),
+    ({**GOOD, "top_k": "5"}, "top_k"),
+    ({**GOOD, "temperature": True}, "temperature"),
+    ({**GOOD, "temperature": "0.5"}, "temperature"),
+    ({**GOOD, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({**GOOD, "seed": 2**64}, "seed"),  # over the 64-bit range
+    ({**GOOD, "seed": -(2**63) - 1}, "seed"),
+    ({**GOOD, "logit_bias": {"1": 101}}, "logit_bias"),  # used to be clamped to 100
+    ({**GOOD, "logit_bias": {"1": -100.5}}, "logit_bias"),
+    ({**GOOD, "logit_bias": {"1": "5"}}, "logit_bias"),
 ]
 
 
@@ -85,9 +108,55 @@ def test_bad_completion_requests_are_400(http, body, param):
     ({**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
     ({**CHAT, "max_tokens": -3}, "max_tokens"),
     ({**CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),  # prompt + it over max_model_len
+    ({**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),  # used to reach the template
+    ({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}, "messages"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({**CHAT, "stream": "yes"}, "stream"),
+    ({**CHAT, "logprobs": "yes"}, "logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
+    ({**CHAT, "max_tokens": 2.5}, "max_tokens"),
+    ({**CHAT, "add_generation_prompt": "no"}, "add_generation_prompt"),
+    ({**CHAT, "seed": 2**64}, "seed"),
 ])
 def test_bad_chat_requests_are_400(http, body, param):
     _assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_typed_fields_within_range_are_accepted(server, http):
+    """What the ``openai`` client sends (JSON booleans, integers, numbers; an integer for a number) still passes."""
+    import openai
+
+    body = {**GOOD, "n": 1, "seed": 2**63 - 1, "echo": False, "ignore_eos": True, "temperature": 0, "top_p": 1,
+            "logit_bias": {"1": -100, "2": 100.0}, "logprobs": 0, "stream_options": None, "skip_special_tokens": True}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2, response.text
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    got = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2, seed=-(2**63), n=1,
+                                         temperature=0, logprobs=True, top_logprobs=2, logit_bias={"3": 5}, stream=False)
+    assert got.usage.completion_tokens == 2 and len(got.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", '{"model": "smol", "prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "smol", "prompt": ["ok", "hi \\udfff there"], "max_tokens": 2, "stream": true}', "prompt"),
+    ("/v1/completions", '{"model": "smol", "prompt": "ok", "max_tokens": 2, "stop": ["\\ud800"]}', "stop"),
+    ("/v1/chat/completions", '{"model": "smol", "messages": [{"role": "user", "content": "x \\udc00"}]}', "messages"),
+    ("/v1/chat/completions",
+     '{"model": "smol", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}], "stream": true}',
+     "messages"),
+    ("/tokenize", '{"model": "smol", "prompt": "hi \\ud800"}', "prompt"),
+    ("/tokenize", '{"model": "smol", "messages": [{"role": "user", "content": "\\udc00"}]}', "messages"),
+], ids=["completion", "completion-list-stream", "stop", "chat", "chat-part-stream", "tokenize", "tokenize-chat"])
+def test_a_lone_surrogate_is_400(http, path, raw, param):
+    """A lone UTF-16 surrogate, valid JSON but not valid Unicode, made the tokenizer raise a TypeError: a 500 without
+    the error envelope. A surrogate pair (one character) is fine."""
+    error = _assert_error(http.post(path, content=raw.encode(), headers={"Content-Type": "application/json"}), 400, param)
+    assert "surrogate" in error["message"], error
+    pair = raw.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00")
+    if pair != raw and path == "/tokenize":
+        assert http.post(path, content=pair.encode(), headers={"Content-Type": "application/json"}).status_code == 200
 
 
 def test_malformed_bodies_are_400(http):

@@ -15,17 +15,33 @@ from ..integration.compat import can_set_attn_implementation
 from ..sampling_params import SamplingParams
 
 
+def check_text(text: str) -> None:
+    """Raise unless ``text`` is valid Unicode: a lone UTF-16 surrogate (U+D800..U+DFFF, which JSON's ``"\\ud800"``
+    escape or ``surrogateescape`` decoding produce) has no UTF-8 encoding, and Hugging Face tokenizers raise a
+    ``TypeError`` for it.
+
+    Raises:
+        ValueError: naming the surrogate and its character offset.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text has a lone UTF-16 surrogate U+{ord(text[e.start]):04X} at character {e.start} "
+                         f"(not valid Unicode): {text[max(0, e.start - 20) : e.start + 1]!r}") from None
+
+
 def tokenize(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt (string prompts need the tokenizer). Token ids may be a list or tuple of
     ints, a 1-D ``torch.Tensor`` or numpy array, or a list of numpy/torch integer scalars.
 
     Raises:
-        ValueError: a string prompt without a tokenizer, a tensor or array that is not 1-D, or a prompt
-            of another type.
+        ValueError: a string prompt without a tokenizer or with a lone UTF-16 surrogate (``check_text``), a tensor
+            or array that is not 1-D, or a prompt of another type.
     """
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"prompt {prompt[:40]!r} is a string but no tokenizer was given; pass tokenizer= or token ids")
+        check_text(prompt)
         return list(tokenizer(prompt).input_ids)
     if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
         if getattr(prompt, "ndim", None) != 1:

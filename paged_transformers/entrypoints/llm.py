@@ -15,6 +15,7 @@ import torch
 from ..integration import checkpoint, warm
 from ..config import EngineConfig
 from ..core.engine import LLMEngine
+from ..core.engine_inputs import check_text
 from ..integration.generate import params_per_prompt, run_to_completion
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -250,17 +251,21 @@ class LLM:
             adding special tokens again (the ids ``apply_chat_template(..., tokenize=True)`` gives).
 
         Raises:
-            ValueError: no tokenizer, a malformed conversation (its index named), or the tokenizer's own error
-                (e.g. it has no chat template).
+            ValueError: no tokenizer, a malformed conversation or one with a lone UTF-16 surrogate (its index named),
+                or the tokenizer's own error (e.g. it has no chat template).
         """
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer, and this LLM has none (skip_tokenizer_init=True or none found)")
         parsed = []
-        for conversation in _conversations(messages):
+        for i, conversation in enumerate(_conversations(messages)):
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
             )  # fmt: skip
+            try:
+                check_text(text)  # the tokenizer's own error for it is a TypeError
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
             parsed.append((self.tokenizer(text, add_special_tokens=False).input_ids, text))
         return self._run(parsed, sampling_params, use_tqdm)
 

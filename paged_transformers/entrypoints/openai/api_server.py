@@ -42,7 +42,7 @@ from .middleware import RequestGuard
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
-from .serving_engine import ClientDisconnected, ServingError
+from .serving_engine import ClientDisconnected, ServingError, check_text
 
 logger = logging.getLogger("paged_transformers.serve")
 
@@ -224,6 +224,7 @@ def _add_routes(app: FastAPI, front: AsyncEngine, names: list[str], completion, 
     async def tokenize(request: TokenizeRequest):
         if (request.prompt is None) == (request.messages is None):
             raise ServingError(400, "give exactly one of prompt and messages", "prompt")
+        check_text(request)
         if request.messages is not None:
             ids = chat.render(request.messages, request.add_generation_prompt)
         else:

@@ -3,16 +3,25 @@
 As in vLLM, a field the API does not know is ignored with a warning (``ignored_fields``), so clients that send
 newer OpenAI fields keep working; a known field whose feature this server does not have (tools, structured
 output, beam search, ...) is refused with a 400 naming it (``unserved_fields``), never silently dropped.
+
+Booleans, integers and numbers are strict (``StrictBool``, ``StrictInt``, ``StrictFloat``): ``"stream": "yes"``,
+``"n": "2"``, ``"max_tokens": 1.5`` or ``"temperature": true`` is a 400 naming the field, not coerced; JSON
+``true``/``false``, integers and numbers (an integer too, for a number), what the ``openai`` client sends, are what
+they take. A ``seed`` must fit in 64 bits (vLLM's range), a ``logit_bias`` value
+lie in [-100, 100] (OpenAI's), and a chat message's ``role`` be one of OpenAI's (``ROLES``).
 """
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI allows up to 20 top logprobs)
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat message roles
 
 TokenIds = list[StrictInt]
 Prompt = str | list[str] | TokenIds | list[TokenIds]
+Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]  # vLLM's: torch.long's range
+Bias = Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -24,9 +33,38 @@ class OpenAIBaseModel(BaseModel):
         """The request's fields this API does not know (ignored)."""
         return sorted(self.model_extra or {})
 
+    def invalid_text(self) -> tuple[str, str] | None:
+        """``(field, message)`` for the first string of the request (a value or a key, at any depth, unknown fields
+        too) that is not valid Unicode: a lone UTF-16 surrogate, which JSON can spell (``"\\ud800"``) but UTF-8,
+        the tokenizer and the response cannot; None when every string is valid."""
+        for name, value in self.model_dump().items():
+            found = _lone_surrogate(value, name)
+            if found is not None:
+                path, text, at = found
+                return name, (f"{path}: a lone UTF-16 surrogate U+{ord(text[at]):04X} at character {at} is not valid "
+                              "Unicode text")  # fmt: skip
+        return None
+
+
+def _lone_surrogate(value, path: str) -> tuple[str, str, int] | None:
+    """``(path, string, offset)`` of the first lone surrogate in ``value`` (strings, and lists and dicts of them)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, value, e.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(key, f"{path} key") if isinstance(key, str) else None
+        found = found or _lone_surrogate(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        if found is not None:
+            return found
+    return None
+
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
+    include_usage: StrictBool | None = False
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -38,28 +76,29 @@ class SamplingFields(OpenAIBaseModel):
     (the model's generation config, as vLLM's ``--generation-config auto``, else ``SamplingParams``')."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: StrictInt = 1
+    best_of: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    logit_bias: dict[str, Bias] | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
-    use_beam_search: bool = False
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    use_beam_search: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    prompt_logprobs: StrictInt | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -78,6 +117,8 @@ class SamplingFields(OpenAIBaseModel):
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
             if getattr(self, name) is not None:
                 bad.append(f"{name}: structured output is not supported")
+        if not self.skip_special_tokens:
+            bad.append("skip_special_tokens: false is not supported (special tokens are always left out of the text)")
         if self.prompt_logprobs is not None:
             bad.append("prompt_logprobs: not served as a field (vLLM's per-token objects); on /v1/completions, "
                        "echo=true with logprobs=k returns the prompt tokens' logprobs")
@@ -92,9 +133,9 @@ class CompletionRequest(SamplingFields):
     vLLM do (``max_tokens=0`` without ``echo`` is a 400)."""
 
     prompt: Prompt
-    max_tokens: int | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    max_tokens: StrictInt | None = 16
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
     suffix: str | None = None
 
     @property
@@ -110,7 +151,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
+    role: Literal[ROLES]
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -118,16 +159,16 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unserved_fields(self) -> list[str]:
@@ -148,8 +189,8 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(OpenAIBaseModel):

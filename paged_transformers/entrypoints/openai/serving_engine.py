@@ -16,7 +16,7 @@ from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
 from ..async_engine import AsyncEngine, CheckedRequest, EngineDeadError, RequestStream
 from .metrics import ServerMetrics
-from .protocol import SamplingFields, error_body
+from .protocol import OpenAIBaseModel, SamplingFields, error_body
 
 logger = logging.getLogger("paged_transformers.serve")
 
@@ -38,6 +38,14 @@ def bad_request(error: ValueError, fields=()) -> ServingError:
     message = str(error)
     first = message.split(" ", 1)[0].split("=", 1)[0]
     return ServingError(400, message, first if first in fields else None)
+
+
+def check_text(request: OpenAIBaseModel) -> None:
+    """Raises ``ServingError``: 400 naming the field of a string that is not valid Unicode (a lone UTF-16 surrogate,
+    ``OpenAIBaseModel.invalid_text``), which the tokenizer would fail on with a ``TypeError``."""
+    invalid = request.invalid_text()
+    if invalid is not None:
+        raise ServingError(400, invalid[1], invalid[0])
 
 
 def sse(payload: dict) -> str:
@@ -140,9 +148,11 @@ class OpenAIServing:
         return self.front.limits.max_model_len
 
     def check_request(self, request: SamplingFields) -> None:
-        """Raises ``ServingError``: 404 for another model's name, 400 for a field this server does not serve."""
+        """Raises ``ServingError``: 404 for another model's name, 400 for a field this server does not serve or a
+        string that is not valid Unicode (``check_text``)."""
         if request.model is not None and request.model not in self.served_model_names:
             raise ServingError(404, f"The model `{request.model}` does not exist.", "model")
+        check_text(request)
         unserved = request.unserved_fields()
         if unserved:
             raise ServingError(400, "; ".join(unserved), unserved[0].split(":", 1)[0])
@@ -184,7 +194,7 @@ class OpenAIServing:
             raise error from e
 
     def _logit_bias(self, logit_bias: dict[str, float]):
-        """A logits processor adding each bias (clamped to [-100, 100], as OpenAI does) to its token's logit.
+        """A logits processor adding each bias (in [-100, 100]: ``protocol.Bias``) to its token's logit.
 
         Raises:
             ServingError: 400 for a key that is not a token id of the vocabulary.
@@ -196,7 +206,7 @@ class OpenAIServing:
             raise ServingError(400, f"logit_bias keys must be token ids, got {sorted(logit_bias)[:5]}", "logit_bias") from None
         if any(not 0 <= i < vocab_size for i in ids):
             raise ServingError(400, f"logit_bias has token ids outside the vocabulary [0, {vocab_size})", "logit_bias")
-        return LogitBias(ids, [min(100.0, max(-100.0, v)) for v in logit_bias.values()])
+        return LogitBias(ids, list(logit_bias.values()))
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> CheckedRequest:
         """The engine's own checks on one prompt, as a 400 (``AsyncEngine.check_request``); the checked request is
