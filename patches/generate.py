@@ -21,7 +21,8 @@ Whatever the engine cannot serve runs stock code, after a one-time log message: 
 DoLa / contrastive / constrained / group beam search, ``output_attentions`` / ``output_hidden_states``,
 classifier-free guidance, ``prefix_allowed_tokens_fn``, a streamer with more than one row, extra model
 inputs (e.g. ``pixel_values``), a user cache that is not a ``PagedCache``, right padding, encoder-decoder
-models. The calls run on the model's warm engine (``paged_transformers.integration.warm``), made once and kept between calls
+models, a model in training mode with dropout (the engine cannot draw stock's dropout masks; with every dropout
+probability 0 the engine serves it). ``input_ids`` without a token raise a ValueError (``patches/eligibility.py``). The calls run on the model's warm engine (``paged_transformers.integration.warm``), made once and kept between calls
 (KV pool, compiled layers, CUDA graphs) with the patch's ``engine_config`` or, without one, whatever engine the
 model has warm; each row is one request. Plain ``model(...)`` forwards and training never see the paged
 attention: the engine is attached to the model only while a call runs. A call whose rows need more than the
@@ -46,27 +47,19 @@ from transformers import GenerationMixin
 
 from ..integration.cache import PagedCache
 from ..integration.compat import (
-    PATCHED_GENERATION_METHODS, GenerateDecoderOnlyOutput, can_set_attn_implementation, is_user_defined_cache,
-    original_generation_method, pad_token_id,
+    PATCHED_GENERATION_METHODS, GenerateDecoderOnlyOutput, is_user_defined_cache, original_generation_method,
+    pad_token_id,
 )
 from ..config import EngineConfig
 from ..core.engine import run_engine
-from ..integration.generation_config import ENGINE_MODES, ScoreRecorder, sampling_params_for_prompts
-from ..integration.padding import left_padding, unpadded_prompts
-from ..integration.warm import attached_engine, current_engine, release
+from ..integration.generation_config import ScoreRecorder, sampling_params_for_prompts
+from ..integration.padding import unpadded_prompts
+from ..integration.warm import attached_engine, release
+from .eligibility import check_prompt_length, engine_blocker, prompt_padding
 from .loading import patch_from_pretrained, unpatch_from_pretrained
 from .pipeline import patch_pipeline, unpatch_pipeline
 
 logger = logging.getLogger("paged_transformers")
-
-# model_kwargs that stock generate() itself puts next to the inputs; anything else (pixel_values,
-# token_type_ids, ...) is a model input the engine does not pass, so stock code runs. `tokenizer` is
-# generate()'s own (for stop_strings; pipeline(stop_sequence=...) passes it): the StopStringCriteria it
-# built is in stopping_criteria, which the engine runs per request.
-_KNOWN_MODEL_KWARGS = {
-    "attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
-    "cache_position", "output_attentions", "output_hidden_states", "return_dict", "tokenizer",
-}
 
 
 @dataclass(slots=True)
@@ -84,7 +77,10 @@ _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("paged_tran
 _ORIGINALS: dict[str, object] = {}
 _ENGINE_CONFIG: list[EngineConfig | None] = [None]
 _LOGGED: set[str] = set()
-_DROP_IN_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models whose warm engine the patch built
+_DROP_IN_MODELS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models the patched generate() ran on
+# the owner tag of the warm engines the patched generate() builds: unpatch() closes those, and no other entry
+# point's (warm.release decides under the model's lock which engine is whose)
+_OWNER = "paged_transformers.patch"
 
 
 def _log_once(reason: str) -> None:
@@ -152,9 +148,10 @@ def patch(engine_config: EngineConfig | None = None) -> PatchHandle:
 
 def unpatch() -> None:
     """Undo ``patch()`` (a no-op when not patched), and release the warm engines the patched ``generate()``
-    built (``paged_transformers.release``)."""
+    built (``paged_transformers.release``); an engine that ``paged_generate``, ``LLM`` or ``engine_for`` built
+    stays, even one the patched calls ran on."""
     for model in list(_DROP_IN_MODELS):
-        release(model)
+        release(model, owner=_OWNER)
     _DROP_IN_MODELS.clear()
     unpatch_from_pretrained()
     unpatch_pipeline()
@@ -175,6 +172,7 @@ def _generate(self, *args, **kwargs):
     original = _ORIGINALS["generate"]
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     arguments = {**bound.arguments, **bound.arguments.get("kwargs", {})}
+    check_prompt_length(self, arguments)
     user_cache = arguments.get("cache", arguments.get("past_key_values"))
     if isinstance(user_cache, PagedCache) and user_cache._rows is None:
         user_cache.set_prompt_padding(arguments.get("attention_mask"))
@@ -195,9 +193,9 @@ def _generate(self, *args, **kwargs):
 def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, streamer=None, **model_kwargs):
     call = _CALL.get()
     if call is not None and call.model is self:
-        reason = _engine_blocker(self, call, input_ids, generation_config, synced_gpus, streamer, model_kwargs)
+        reason = engine_blocker(self, call, input_ids, generation_config, synced_gpus, streamer, model_kwargs)
         if reason is None:
-            pad_lens, reason = _prompt_padding(input_ids, model_kwargs.get("attention_mask"))
+            pad_lens, reason = prompt_padding(input_ids, model_kwargs.get("attention_mask"))
         if reason is None:
             prompts = unpadded_prompts(input_ids, pad_lens)
             return _engine_generate(self, call, input_ids, prompts, stopping_criteria, generation_config, streamer)
@@ -232,92 +230,6 @@ def _beam_search(self, input_ids, logits_processor, stopping_criteria, generatio
 # -- the engine path ----------------------------------------------------------------------------
 
 
-def _engine_blocker(model, call: _Call, input_ids, gc, synced_gpus, streamer, model_kwargs) -> str | None:
-    """Why the engine cannot serve this ``_sample`` call (None when it can).
-
-    Raises:
-        ValueError: the call would index past the model's learned position table (``_check_position_table``).
-    """
-    _check_position_table(model, input_ids, gc)
-    if gc.get_generation_mode() not in ENGINE_MODES:
-        return f"generation mode {gc.get_generation_mode().value}"
-    if synced_gpus:
-        return "synced_gpus"
-    if model.config.is_encoder_decoder:
-        return "encoder-decoder models"
-    if not can_set_attn_implementation(model):
-        return f"{type(model).__name__} (its attention cannot be replaced)"
-    if streamer is not None and input_ids.shape[0] > 1:
-        return "a streamer with more than one row"
-    for name in ("output_attentions", "output_hidden_states"):
-        if getattr(gc, name, False):
-            return f"{name}=True"
-    if gc.guidance_scale is not None and gc.guidance_scale != 1:
-        return "guidance_scale (classifier-free guidance)"
-    if call.prefix_allowed_tokens_fn:
-        return "prefix_allowed_tokens_fn (its batch_id is a batch row)"
-    if call.user_position_ids:
-        return "user-given position_ids"
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _KNOWN_MODEL_KWARGS)
-    if extra:
-        return f"model inputs {extra}"
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is not None and is_user_defined_cache(cache):
-        return "a user-given cache"
-    # NOTE: the engine holds at most max_position_embeddings tokens per sequence (its max_model_len) and
-    # caps there; stock code computes rotary positions for any length, so a RoPE model past the limit runs
-    # stock code and returns what stock returns (learned position tables were refused above).
-    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if max_positions is not None and gc.max_length > max_positions:
-        return f"max_length={gc.max_length} over max_position_embeddings={max_positions}"
-    if gc.max_length <= input_ids.shape[1]:
-        return "no new tokens to generate"
-    return None
-
-
-def _prompt_padding(input_ids, attention_mask) -> tuple[list[int] | None, str | None]:
-    """``(pad_lens, None)``: each row's left padding (``padding.left_padding``, tokens); or ``(None, reason)`` for a
-    mask the engine cannot serve (stock code runs it)."""
-    try:
-        pad_lens = left_padding(attention_mask, input_ids.shape[0])
-    except ValueError:
-        return None, "an attention_mask that is not left padding"
-    if any(pad == input_ids.shape[1] for pad in pad_lens):
-        return None, "an all-padding row"
-    return pad_lens, None
-
-
-# Module names of learned absolute-position tables (``nn.Embedding``): GPT-2 / GPT-Neo / GPTBigCode ``wpe``,
-# OPT / BioGPT ``embed_positions``, BERT-style decoders ``position_embeddings``.
-_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
-
-
-def _check_position_table(model, input_ids, gc) -> None:
-    """Refuse a call that would index past a learned absolute-position table, before any forward.
-
-    Stock ``generate()`` feeds positions ``0 .. max_length - 2`` (the last token is sampled, never fed), so a
-    decoder-only model with a table of ``max_position_embeddings`` rows fails mid-generation with
-    ``IndexError: index out of range in self`` (a device-side assert on CUDA) once ``max_length`` exceeds
-    ``max_position_embeddings + 1``. RoPE models compute positions for any length: not refused here.
-
-    Raises:
-        ValueError: naming the prompt length (padded, tokens), ``max_new_tokens``, ``max_length`` and the limit.
-    """
-    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if max_positions is None or gc.max_length <= max_positions + 1 or model.config.is_encoder_decoder:
-        return
-    if not any(isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
-               for name, m in model.named_modules()):
-        return
-    prompt_len = input_ids.shape[1]
-    raise ValueError(
-        f"{type(model).__name__} has learned position embeddings for max_position_embeddings={max_positions} "
-        f"positions, but a prompt of {prompt_len} tokens with max_new_tokens={gc.max_length - prompt_len} "
-        f"(max_length={gc.max_length}) needs {gc.max_length - 1}: stock generate() would fail mid-generation. "
-        f"Keep prompt length + max_new_tokens <= {max_positions + 1}"
-    )
-
-
 def _engine_generate(model, call: _Call, input_ids, prompts: list[list[int]], stopping_criteria, gc, streamer):
     """Serve a greedy / sampling ``generate()`` call with the engine and rebuild stock's output.
 
@@ -335,10 +247,9 @@ def _engine_generate(model, call: _Call, input_ids, prompts: list[list[int]], st
     )
 
     finals = {}
-    before = current_engine(model)
-    with attached_engine(model, engine_config=call.engine_config, min_model_len=max(map(len, prompts)) + max_new) as engine:
-        if engine is not before:
-            _DROP_IN_MODELS.add(model)
+    _DROP_IN_MODELS.add(model)
+    with attached_engine(model, engine_config=call.engine_config, min_model_len=max(map(len, prompts)) + max_new,
+                         owner=_OWNER) as engine:
         for r, prompt in enumerate(prompts):
             engine.add_request(str(r), prompt, params[r])
         for outputs in run_engine(engine, criteria):

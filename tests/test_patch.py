@@ -5,6 +5,8 @@ training step unchanged; unsupported options and failing processors."""
 
 import contextlib
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ import transformers
 from transformers import GenerationConfig, LogitsProcessor
 
 import paged_transformers
-from paged_transformers import PagedCache, paged_generate
+from paged_transformers import PagedCache, SamplingParams, paged_generate
+from paged_transformers.integration import warm as warm_module
 from paged_transformers.patches import generate as patch_module
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34]]
@@ -356,3 +359,79 @@ def test_left_padding_of_a_mask():
         left_padding(torch.tensor([[0, 1, 1], [1, 1, 0], [1, 1, 1]]))
     with pytest.raises(ValueError, match="must be"):
         left_padding(torch.ones(3))
+
+
+@pytest.mark.parametrize("dropout, served", [(0.1, "stock"), (0.0, "engine")])
+def test_training_mode_with_dropout(engine_count, caplog, monkeypatch, dropout, served):
+    """GPT-2 in train() mode (an RL loop generating without eval()): stock generate() runs with dropout (GPT-2's
+    default attn_pdrop is 0.1); the patched call used to raise (the engine runs inference only). With dropout it
+    now runs stock code, with stock's random draws (same seed, same tokens) and a one-time log line; with every
+    dropout probability 0 the engine serves it."""
+    monkeypatch.setattr(patch_module, "_LOGGED", set())
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=1,
+                                     eos_token_id=2, pad_token_id=2, attn_pdrop=dropout, resid_pdrop=dropout,
+                                     embd_pdrop=dropout)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=True, suppress_tokens=[2])
+    torch.manual_seed(5)
+    stock = model.generate(ids, **kwargs)
+    with caplog.at_level(logging.WARNING, logger="paged_transformers"), paged_transformers.patch():
+        torch.manual_seed(5)
+        patched = model.generate(ids, **kwargs)
+        model.generate(ids, **kwargs)
+    assert torch.equal(patched, stock)
+    assert len(engine_count) == (2 if served == "engine" else 0)
+    assert sum("training mode with dropout" in r.message for r in caplog.records) == (served == "stock")
+    assert model.training
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (3, 0)])
+def test_input_ids_without_a_token(engine_count, shape):
+    """Stock generate() fails on empty input_ids only mid-forward (GPT-2: IndexError); the patched call raised that
+    too. It raises a ValueError naming the shape, as paged_generate and LLM refuse an empty prompt."""
+    model = tiny_gpt2()
+    ids = torch.zeros(shape, dtype=torch.int64)
+    with pytest.raises(IndexError):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    with paged_transformers.patch(), pytest.raises(ValueError, match=rf"input_ids of shape \({shape[0]}, 0\) hold no token"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    assert not engine_count
+    with pytest.raises(ValueError, match=r"prompt 0: prompt is empty"):
+        paged_generate(model, [[]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 0: prompt is empty"):
+        paged_transformers.LLM(model).generate([[]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_unpatch_keeps_an_engine_another_entry_point_built(tiny_model, monkeypatch):
+    """A patched generate() that starts while paged_generate (another thread) builds the model's warm engine waits
+    for it and runs on it. unpatch() used to take that engine for the patch's own (it compared the engine with the
+    one seen before taking the model's lock, None during the build) and close it."""
+    model = tiny_model("llama")
+    building, original = threading.Event(), warm_module.LLMEngine
+
+    def slow_engine(*args, **kwargs):
+        building.set()
+        time.sleep(2.0)  # the patched call reaches the model's lock during the build
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(warm_module, "LLMEngine", slow_engine)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    builder = threading.Thread(target=paged_generate, args=(model, [PROMPTS[0]], params), kwargs=dict(use_tqdm=False))
+    builder.start()
+    assert building.wait(timeout=60)
+    ids, mask = left_pad(PROMPTS[:2])
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    with paged_transformers.patch():
+        patched = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        engine = warm_module.current_engine(model)
+    builder.join()
+    assert torch.equal(patched, stock)
+    assert engine is not None and not engine.closed and warm_module.current_engine(model) is engine
+    # an engine the patched call built is still the patch's to close
+    paged_transformers.release(model)
+    with paged_transformers.patch():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        engine = warm_module.current_engine(model)
+    assert engine.closed and warm_module.current_engine(model) is None

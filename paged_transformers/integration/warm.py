@@ -55,12 +55,13 @@ class _Holder:
     """A model's warm engine, its call lock, and whether a call is in progress. Copies (``copy``,
     ``deepcopy``) and pickles as an empty holder, so the engine never travels with a copy of the model."""
 
-    __slots__ = ("engine", "lock", "in_call")
+    __slots__ = ("engine", "lock", "in_call", "owner")
 
     def __init__(self):
         self.engine: LLMEngine | None = None
         self.lock = threading.RLock()  # re-entrant: a nested call on the same thread raises instead of deadlocking
         self.in_call = False
+        self.owner: str | None = None  # the owner tag of the call that built the engine (``attached_engine``)
 
     def __copy__(self) -> "_Holder":
         return _Holder()
@@ -127,10 +128,10 @@ def engine_for(model: torch.nn.Module, *, tokenizer=None, engine_config: EngineC
     """
     holder = _holder(model)
     with holder.lock:
-        return _engine_locked(holder, model, tokenizer, engine_config)
+        return _engine_locked(holder, model, tokenizer, engine_config, None)
 
 
-def _engine_locked(holder: _Holder, model, tokenizer, engine_config: EngineConfig | None) -> LLMEngine:
+def _engine_locked(holder: _Holder, model, tokenizer, engine_config: EngineConfig | None, owner: str | None) -> LLMEngine:
     if engine_config is not None:
         if not isinstance(engine_config, EngineConfig):
             raise ValueError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
@@ -138,16 +139,19 @@ def _engine_locked(holder: _Holder, model, tokenizer, engine_config: EngineConfi
         engine_config.validate()  # a bad field raises here, before the warm engine is closed
     engine = holder.engine
     if engine is None or engine.closed:
-        engine = _build(holder, model, tokenizer, engine_config, None)
+        engine = _build(holder, model, tokenizer, engine_config, None, owner)
     elif engine_config is not None and engine_config != engine.requested_config:
-        engine = _build(holder, model, tokenizer or engine.tokenizer, engine_config, "another engine_config was given")
+        engine = _build(holder, model, tokenizer or engine.tokenizer, engine_config, "another engine_config was given",
+                        owner)
     if tokenizer is not None:
         engine.tokenizer = tokenizer
     return engine
 
 
-def _build(holder: _Holder, model, tokenizer, engine_config: EngineConfig | None, reason: str | None) -> LLMEngine:
-    """Close the holder's engine (its memory goes first) and put a new, detached one in its place."""
+def _build(holder: _Holder, model, tokenizer, engine_config: EngineConfig | None, reason: str | None,
+           owner: str | None) -> LLMEngine:
+    """Close the holder's engine (its memory goes first) and put a new, detached one in its place, built for
+    ``owner`` (the caller's tag, or None). Called with the holder's lock held."""
     if holder.in_call:
         raise RuntimeError(f"the warm engine of this model would be rebuilt ({reason}) from inside a call on it")
     old, holder.engine = holder.engine, None
@@ -156,14 +160,20 @@ def _build(holder: _Holder, model, tokenizer, engine_config: EngineConfig | None
         old.close()
     engine = LLMEngine(model, tokenizer=tokenizer, engine_config=engine_config)
     engine.detach()
-    holder.engine = engine
+    holder.engine, holder.owner = engine, owner
     return engine
 
 
-def release(model: torch.nn.Module) -> None:
+def release(model: torch.nn.Module, *, owner: str | None = None) -> None:
     """Close and forget the model's warm engine: its KV pool, CUDA graphs, compiled forwards and fused weights are
     given back (``stats().num_blocks`` is 0 afterwards); the next call builds a new one. A no-op without one;
     waits for another thread's call on the model to finish.
+
+    Args:
+        model: a transformers causal LM.
+        owner: when given, only an engine built by a call with this ``owner`` tag (``attached_engine``) is closed:
+            the check is made under the model's lock, so an engine another entry point is building or has built
+            is never taken for the owner's.
 
     Raises:
         RuntimeError: called from inside a call on this model.
@@ -174,14 +184,17 @@ def release(model: torch.nn.Module) -> None:
     with holder.lock:
         if holder.in_call:
             raise RuntimeError("release(model) from inside a call on this model")
-        engine, holder.engine = holder.engine, None
+        if owner is not None and holder.owner != owner:
+            return
+        engine, holder.engine, holder.owner = holder.engine, None, None
         if engine is not None:
             engine.close()
 
 
 @contextlib.contextmanager
 def attached_engine(
-    model: torch.nn.Module, *, tokenizer=None, engine_config: EngineConfig | None = None, min_model_len: int | None = None
+    model: torch.nn.Module, *, tokenizer=None, engine_config: EngineConfig | None = None, min_model_len: int | None = None,
+    owner: str | None = None,
 ) -> Iterator[LLMEngine]:
     """The model's warm engine (``engine_for``), attached for one call.
 
@@ -195,6 +208,7 @@ def attached_engine(
         model, tokenizer, engine_config: as in ``engine_for``.
         min_model_len: the longest sequence (prompt + output, tokens) the call needs, or None. A warm engine with
             a shorter ``max_model_len`` is rebuilt with ``max_model_len=None`` when ``engine_config`` is None.
+        owner: a tag recorded with an engine this call builds or rebuilds (``release(model, owner=...)``), or None.
 
     Raises:
         ValueError: as ``engine_for``; ``engine_config.max_model_len`` (or the model's ``max_position_embeddings``)
@@ -227,11 +241,12 @@ def attached_engine(
         if holder.in_call:
             raise RuntimeError("a call on this model from inside a call on it (e.g. generate() from a logits "
                                "processor): the engine runs one call at a time per model")
-        engine = _engine_locked(holder, model, tokenizer, engine_config)
+        engine = _engine_locked(holder, model, tokenizer, engine_config, owner)
         if min_model_len is not None and engine.max_model_len < min_model_len:
             if engine_config is None:
                 reason = f"a call needs {min_model_len} tokens, over max_model_len={engine.max_model_len}"
-                engine = _build(holder, model, engine.tokenizer, dataclasses.replace(engine.requested_config, max_model_len=None), reason)
+                engine = _build(holder, model, engine.tokenizer,
+                                dataclasses.replace(engine.requested_config, max_model_len=None), reason, owner)
             if engine.max_model_len < min_model_len:
                 raise ValueError(f"this call needs sequences of {min_model_len} tokens, over the engine's "
                                  f"max_model_len={engine.max_model_len} (the model's maximum)")
@@ -239,7 +254,7 @@ def attached_engine(
         try:
             engine.attach()
         except StaleWeightsError as e:
-            engine = _build(holder, model, engine.tokenizer, engine.requested_config, str(e))
+            engine = _build(holder, model, engine.tokenizer, engine.requested_config, str(e), owner)
             engine.attach()
         holder.in_call = True
         try:
