@@ -1,4 +1,5 @@
-"""Issue 23: the sweep that chooses the ``W4A16Algo.WGMMA`` rows of ``kernels/w4a16/dispatch.RULES``: launch configs of
+"""Issue 23: the sweep that chooses the ``W4A16Algo.WGMMA`` candidates of the tuning tables (``kernels/w4a16/configs``;
+``--table-out``), formerly the rows of ``kernels/w4a16/dispatch.RULES``: launch configs of
 the product's Gluon kernel (``kernels/w4a16/wgmma_kernels.py``) checked against ``w4a16_matmul_ref``, then timed on
 the shapes the engine runs (Llama-3-8B q|k|v 4096x6144, o 4096x4096, gate|up 4096x28672, down 14336x4096) at M =
 16-256, next to bf16 ``torch.matmul`` and the config ``default_config`` picks (us per call, CUDA-graph clock over
@@ -7,6 +8,9 @@ weight sets of > 4x L2, as ``benchmarks/bench_w4a16.py``). Each (shape, M) row g
 
     python research/w4a16_wgmma.py --out $OUT/w4a16_wgmma.json            # GPU (Hopper)
     python research/w4a16_wgmma.py --quick --out ...                      # 5 configs, gate|up and down, M = 64-256
+    # the dispatch's table for this GPU: each swept (shape, M)'s fastest config first (research/w4a16_tables.py)
+    python research/w4a16_wgmma.py --out $OUT/w4a16_wgmma.json --table-out $OUT/TABLE.json \
+        --table-base kernels/w4a16/configs/NVIDIA_H100_80GB_HBM3.json
 
 Its history (BENCHMARKS.md, issue 23, 2026-12-06): the first kernel stored each dequantized weight tile to shared
 memory (cp.async copies, then TMA; Nsight Compute found 4-way bank conflicts on those stores and I2F on the zero
@@ -32,6 +36,8 @@ from bench_w4a16 import graph_time_ms, random_layer, rel_err, rotating_sets  # n
 
 from paged_transformers.kernels.w4a16 import W4A16Algo, W4A16Config, default_config, w4a16_matmul, w4a16_matmul_ref  # noqa: E402
 from paged_transformers.kernels.w4a16.dispatch import wgmma_consumers  # noqa: E402
+from paged_transformers.kernels.w4a16.tables import Table  # noqa: E402
+from w4a16_tables import dumps, from_sweep, versions  # noqa: E402
 
 # (block_m, block_n, block_k, num_stages, num_warps): the winners of the H100 sweep of 2026-12-06 (third session) first;
 # block_m is wgmma's N (a power of two), block_n its M (16 rows per warp)
@@ -132,6 +138,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma-separated KxN weight shapes to time (default: by --quick)")
     ap.add_argument("--splits", default=None, help="comma-separated split-K counts to try (default: splits_for's)")
     ap.add_argument("--check-dtypes", default="bf16,fp16", help="x dtypes of the correctness check (bf16, fp16)")
+    ap.add_argument("--table-out", default=None, help="write the dispatch's table for this GPU here (from-sweep)")
+    ap.add_argument("--table-base", default=None, help="the table whose other candidates --table-out keeps")
     ap.add_argument("--ab", default=None,
                     help="comma-separated copies of wgmma_kernels.py (e.g. `git show COMMIT:kernels/w4a16/"
                          "wgmma_kernels.py`; one without a producer warp launches without maxnreg, as it did): "
@@ -142,7 +150,8 @@ def main() -> None:
     cands = QUICK if args.quick else CANDIDATES
     if args.cands:
         cands = [tuple(int(v) for v in c.split(",")) for c in args.cands.split(";") if c.strip()]
-    report = {"device": torch.cuda.get_device_name(), "check": [], "sweep": []}
+    report = {"device": torch.cuda.get_device_name(), "num_sms": torch.cuda.get_device_properties(dev).multi_processor_count,
+              "versions": versions(), "check": [], "sweep": []}
     K, N = 1024, 768  # correctness first, off the M grid, with split-K; fp16 x too
     layer = random_layer(K, N, 4, 128, dev)
     for M in (1, 70, 256):
@@ -212,6 +221,14 @@ def main() -> None:
         b = r["best"] or {"us": float("nan"), "cfg": ""}
         print(f"{r['K']:>5}x{r['N']:<6} {r['M']:4d} {r['bf16_us']:7.1f} {r['default_us']:8.1f} "
               f"{r['bf16_us'] / r['default_us']:7.2f} {b['us']:7.1f} {r['bf16_us'] / b['us']:7.2f}  {r['default']} / {b['cfg']}")
+    if args.table_out:
+        base = Table.from_json(json.load(open(args.table_base)))
+        header = {**base.header, "num_sms": report["num_sms"], "versions": report["versions"],
+                  "measured_on": f"{report['device']} (research/w4a16_wgmma.py; the rest as in {args.table_base})",
+                  "generated_by": "research/w4a16_wgmma.py --table-out"}
+        with open(args.table_out, "w") as f:
+            f.write(dumps(Table(report["device"], from_sweep(report, base), header)))
+        print(f"table: {args.table_out}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ def test_wheel_holds_every_package_and_no_top_level_extras(tmp_path):
                     "-w", str(tmp_path / "dist")], check=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("paged_transformers-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
+    # the data files the code reads: the W4A16 tuning tables
+    tables = {f"paged_transformers/kernels/{p.relative_to(REPO / 'kernels').as_posix()}"
+              for p in (REPO / "kernels").rglob("configs/*.json")}
+    assert tables and tables - names == set(), f"tuning tables missing from the wheel: {sorted(tables - names)}"
 
     expected = _source_modules()
     assert {"paged_transformers/__init__.py", "paged_transformers/quantization/__init__.py",

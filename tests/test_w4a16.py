@@ -1,11 +1,15 @@
 """The W4A16 Triton kernels against their PyTorch reference (``w4a16_matmul_ref``), under the Triton
 interpreter on CPU (tiny shapes: the interpreter is slow) and at a real size on CUDA when present: every kernel
-``default_config`` picks, with its default configs (``test_default_config_regimes_match_reference``) and off them.
+a tuning table or the fallback rule can pick, with its configs (``test_every_table_config_matches_reference``) and off
+them.
 
 The reference dequantizes exactly in float32; with float32 activations the kernel must agree to
 float32 rounding (1e-5 relative), with fp16 activations to fp16 rounding of the weight and the
 output (2e-3 relative).
 """
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,58 +211,44 @@ def test_kernel_rejects_bad_arguments():
         k.w4a16_matmul(x, qweight, scales, zeros, 4, 32, config=k.W4A16Config(1, 16, 64, algo=A.GEMV))
 
 
-CUDA = torch.device("cuda")
-CPU = torch.device("cpu")
-# (M, N, K, group_size, bits, x dtype, device, the algo default_config must pick): each regime of dispatch.RULES, off
-# the tile grid (N % BLOCK_N != 0, K % BLOCK_K != 0), and the cases that fall through to the next rule
-REGIMES = [
-    (1, 40, 264, 264, 4, torch.bfloat16, CUDA, A.GEMV),  # per-channel
-    (1, 48, 256, 32, 8, torch.float16, CPU, A.GEMV),  # 8-bit, groups smaller than a K step
-    (1, 64, 96, 4, 4, torch.bfloat16, CPU, A.DOT),  # groups of less than an int32 word: no GEMV
-    (4, 40, 264, 264, 4, torch.bfloat16, CUDA, A.TC),
-    (16, 72, 128, 128, 4, torch.float16, CUDA, A.TC),
-    (40, 520, 256, 128, 4, torch.bfloat16, CUDA, A.TC),  # wide, 17 <= M <= 64: 64-row tiles, no split-K
-    (40, 72, 384, 128, 4, torch.bfloat16, CUDA, A.TC),  # tall, 17 <= M <= 64: 64-row tiles, split-K
-    (40, 96, 128, 128, 4, torch.bfloat16, CUDA, A.DEQUANT_MATMUL),  # square, M > 16
-    (70, 520, 256, 128, 4, torch.bfloat16, CUDA, A.DEQUANT_MATMUL),  # M > 64
-    (4, 64, 96, 32, 4, torch.bfloat16, CUDA, A.DOT),  # no TC: a K step would span groups
-    (8, 64, 96, 96, 8, torch.bfloat16, CUDA, A.DOT_SWAP),  # no TC: 8-bit; square, M > 4
-    (8, 272, 128, 128, 4, torch.float32, CPU, A.DOT),  # no TC: CPU; wide
-    (20, 40, 264, 264, 4, torch.float32, CPU, A.DEQUANT_MATMUL),  # no TC, M > 16
-]
+def table_configs(algos=None) -> list[k.W4A16Config]:
+    """Every launch configuration a shipped tuning table or the fallback rule can pick (``tables.py``), of ``algos``
+    (default: all), with the table's split-K count for a ``fixed`` candidate and 1 otherwise."""
+    from paged_transformers.kernels.w4a16 import tables
+
+    names = [p.stem.replace("_", " ") for p in (Path(dispatch.__file__).parent / "configs").glob("*.json")]
+    candidates = [c for name in names for b in tables.table_named(name).buckets for c in b.candidates]
+    candidates += [c for M in range(1, 300) for c in tables.fallback_candidates(M)]
+    configs = {k.W4A16Config(c.block_m, c.block_n, c.block_k, c.split_k if c.split_k_rule == "fixed" else 1,
+                             c.num_warps, c.num_stages, A(c.algo)) for c in candidates}
+    return sorted((c for c in configs if algos is None or c.algo in algos), key=str)
 
 
-@pytest.mark.parametrize("M,N,K,group_size,bits,dtype,device,algo", REGIMES)
-def test_default_config_regimes_match_reference(M, N, K, group_size, bits, dtype, device, algo, monkeypatch):
-    # the config default_config picks for a GPU of 132 SMs without WGMMA (not Hopper; the Hopper rows:
-    # test_w4a16_wgmma.py), device and dtype as given, run under the interpreter with fp32 x against the reference
-    # (the TC kernel there unpacks with bit ops instead of its inline PTX)
-    monkeypatch.setattr(dispatch, "num_sms", lambda device, stand_in: 132)
-    monkeypatch.setattr(dispatch, "cuda_capability", lambda device, stand_in: (8, 0))
-    cfg = k.default_config(M, N, K, group_size, device, bits, dtype)
-    assert cfg.algo is algo, cfg
+# every algorithm the tables can pick but WGMMA (Gluon has no interpreter: test_w4a16_wgmma.py), on a tiny layer off
+# the tile grid (N % BLOCK_N != 0), with split-K and bias
+INTERPRETED = table_configs([A.GEMV, A.DOT, A.DOT_SWAP, A.TC, A.DEQUANT_MATMUL])
+
+
+def test_the_tables_pick_every_algorithm_but_wgmma_here():
+    assert {c.algo for c in INTERPRETED} == {A.GEMV, A.DOT, A.DOT_SWAP, A.TC, A.DEQUANT_MATMUL}
+
+
+@pytest.mark.parametrize("cfg", INTERPRETED, ids=str)
+def test_every_table_config_matches_reference(cfg):
+    # under the interpreter with fp32 x against the reference (the TC kernel there unpacks with bit ops instead of its
+    # inline PTX); group 128, K of 2 groups
     if HAS_CUDA:
         pytest.skip("float32 activations are an interpreter-only case; CUDA: test_kernel_real_size_cuda")
-    _, qweight, scales, zeros = random_layer(K, N, bits, group_size, seed=M)
+    M, N, K, group_size = (1 if cfg.algo is A.GEMV else min(cfg.block_m + 3, 20)), cfg.block_n + 8, 256, 128
+    cfg = dataclasses.replace(cfg, split_k=2)
+    _, qweight, scales, zeros = random_layer(K, N, 4, group_size, seed=M)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(2))
-    out = k.w4a16_matmul(x, qweight, scales, zeros, bits, group_size, bias=bias, config=cfg)
-    ref = k.w4a16_matmul_ref(x, qweight, scales, zeros, bits, group_size, bias=bias)
+    out = k.w4a16_matmul(x, qweight, scales, zeros, 4, group_size, bias=bias, config=cfg)
+    ref = k.w4a16_matmul_ref(x, qweight, scales, zeros, 4, group_size, bias=bias)
     assert rel(out, ref) < 1e-5
     # the check can fail: the zero point off by one (what a misplaced field or wrong magic looks like) is far outside
-    off = 1 << (bits - 4)
-    assert rel(k.w4a16_matmul_ref(x, qweight, scales, zeros + off, bits, group_size, bias=bias), ref) > 1e-3
-
-
-def test_default_config_rules_fit_one_row_of_tiles():
-    # default_config counts split-K over one row of output tiles (programs_per_sm), which holds when the rule's M
-    # fits one tile; the rules that tile M give their split themselves (programs_per_sm 0)
-    for rule in dispatch.RULES:
-        if rule.programs_per_sm:
-            assert rule.max_m <= rule.config.block_m, rule
-            assert rule.config.split_k == 1, rule  # the split comes from programs_per_sm
-        else:
-            assert rule.config.split_k & (rule.config.split_k - 1) == 0, rule  # a power of two (gcd with K steps)
+    assert rel(k.w4a16_matmul_ref(x, qweight, scales, zeros + 1, 4, group_size, bias=bias), ref) > 1e-3
 
 
 def test_custom_op_is_one_node_under_torch_compile():
@@ -276,16 +266,11 @@ def test_custom_op_is_one_node_under_torch_compile():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (real-size check)")
-@pytest.mark.parametrize("M,K,N,algo,hopper_algo", [
-    (1, 4096, 4096, A.GEMV, A.GEMV), (1, 4096, 6144, A.GEMV, A.GEMV), (4, 4096, 4096, A.TC, A.TC),
-    (16, 4096, 4096, A.TC, A.TC), (256, 4096, 4096, A.DEQUANT_MATMUL, A.WGMMA), (64, 4096, 14336, A.TC, A.WGMMA),
-    (33, 4096, 14336, A.TC, A.WGMMA), (64, 14336, 4096, A.TC, A.WGMMA), (40, 14336, 4096, A.TC, A.WGMMA),
-    (64, 4096, 4096, A.DEQUANT_MATMUL, A.WGMMA), (300, 4096, 4096, A.DEQUANT_MATMUL, A.DEQUANT_MATMUL)])
-def test_kernel_real_size_cuda(M, K, N, algo, hopper_algo):
-    # the default config of each rule (algo: the one default_config must pick on CUDA for this shape; on Hopper
-    # with Gluon, hopper_algo)
-    hopper = torch.cuda.get_device_capability()[0] == 9 and dispatch.has_gluon()
-    assert k.default_config(M, N, K, 128, DEVICE).algo is (hopper_algo if hopper else algo)
+@pytest.mark.parametrize("M,K,N", [
+    (1, 4096, 4096), (1, 4096, 6144), (4, 4096, 4096), (16, 4096, 4096), (256, 4096, 4096), (64, 4096, 14336),
+    (33, 4096, 14336), (64, 14336, 4096), (40, 14336, 4096), (64, 4096, 4096), (300, 4096, 4096)])
+def test_kernel_real_size_cuda(M, K, N):
+    # the config default_config picks on this GPU for the engine's shapes, from one row to a prefill chunk
     _, qweight, scales, zeros = random_layer(K, N, 4, 128)
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)
@@ -375,16 +360,12 @@ def test_tc_cuda(dtype):
     (200, 4096, 1024, 128, k.W4A16Config(128, 128, 128, 1, 8, 3, A.TC)),
     (200, 4096, 1024, 128, k.W4A16Config(64, 128, 128, 5, 8, 3, A.TC)),
     # the tall 17 <= M <= 64 rule (split-K), off the grid: a part-filled row tile, per-channel K % 128 != 0,
-    # N % 128 != 0, with bias; and the config default_config picks for it
+    # N % 128 != 0, with bias; and the config default_config picks for down at 17 rows
     (40, 4104, 1000, 4104, k.W4A16Config(64, 128, 128, 33, 8, 3, A.TC)),
     (17, 14336, 4096, 128, None),
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tc_large_tiles_cuda(M, K, N, group_size, cfg, dtype):
-    if cfg is None:  # on Hopper with Gluon the WGMMA rule comes first
-        picked = k.default_config(M, N, K, group_size, DEVICE, dtype=dtype)
-        hopper = torch.cuda.get_device_capability()[0] == 9 and dispatch.has_gluon()
-        assert (picked.algo, picked.block_m) == ((A.WGMMA, 32) if hopper else (A.TC, 64)), picked
     _, qweight, scales, zeros = random_layer(K, N, 4, group_size)
     x = torch.randn(M, K, device=DEVICE, dtype=dtype)
     bias = torch.randn(N, device=DEVICE, dtype=dtype)

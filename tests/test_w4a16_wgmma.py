@@ -1,7 +1,7 @@
 """``W4A16Algo.WGMMA``: its Gluon kernel compiled for sm_90 on any machine (Gluon has no interpreter, so this is what
 the CPU suite can check), its dispatch, and on a Hopper GPU its results against ``w4a16_matmul_ref``.
 
-The compile checks: every default config (``dispatch.RULES``), bf16 and fp16 x, with and without split-K and bias,
+The compile checks: every WGMMA config of the shipped tuning tables (``tables.py``), bf16 and fp16 x, with and without split-K and bias,
 compiles (the kernel's static asserts include zero bank conflicts on the packed words' loads, and its conversion to
 wgmma's register layout must be free), spills nothing, and
 keeps one wgmma group in flight across K steps (ptxas did not serialize them: no C7515 note, and the loop waits with
@@ -17,17 +17,24 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pathlib import Path
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from paged_transformers.kernels import w4a16 as k  # noqa: E402
-from paged_transformers.kernels.w4a16 import dispatch  # noqa: E402
+from paged_transformers.kernels.w4a16 import dispatch, tables  # noqa: E402
 
 A = k.W4A16Algo
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-WGMMA_CONFIGS = sorted({r.config for r in dispatch.RULES if r.config.algo is A.WGMMA}, key=str)
+H100_TABLE = tables.table_named("NVIDIA H100 80GB HBM3")
+# every WGMMA config a shipped table can pick, with the table's split-K count
+WGMMA_CONFIGS = sorted({k.W4A16Config(c.block_m, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages, A.WGMMA)
+                        for p in (Path(dispatch.__file__).parent / "configs").glob("*.json")
+                        for b in tables.table_named(p.stem.replace("_", " ")).buckets for c in b.candidates
+                        if c.algo == "wgmma"}, key=str)
 
 
 def compile_sm90(cfg: k.W4A16Config, dtype: str, scales_dtype: str = "fp16", bias: bool = False):
@@ -199,55 +206,19 @@ def _hopper(monkeypatch, capability=(9, 0)):
 CUDA = torch.device("cuda")
 
 
-@pytest.mark.parametrize("M,N,K,group,split", [
-    (17, 6144, 4096, 128, 1), (64, 4096, 4096, 128, 2), (128, 6144, 4096, 128, 1), (256, 4096, 4096, 128, 1),
-    (17, 28672, 4096, 128, 1), (256, 28672, 4096, 128, 1), (40, 4096, 14336, 128, 4), (200, 4096, 14336, 128, 1),
-    (64, 64, 512, 128, 2),  # K of 4 steps: the split lowered to 2 (at least 2 steps per slice)
-    (64, 384, 192, 192, 1),  # per-channel, 3 steps: no split
-    (17, 6144, 4096, 64, 1), (17, 4096, 4096, 64, 2), (64, 4096, 14336, 64, 4),  # groups of 64: block_k = 64
-])
-def test_default_config_picks_wgmma_on_hopper(M, N, K, group, split, monkeypatch):
-    _hopper(monkeypatch)
-    cfg = k.default_config(M, N, K, group, CUDA, 4, torch.bfloat16)
-    assert cfg.algo is A.WGMMA and cfg.split_k == split, cfg
-    assert group % cfg.block_k == 0 or group == K, cfg
-
-
-@pytest.mark.parametrize("M", [129, 200, 256])
-def test_down_at_129_to_256_rows_takes_two_consumers(M, monkeypatch):
-    # down (14336 x 4096): 128-row tiles with two consumers, no split (128 programs), not 256-row tiles with split 2
-    _hopper(monkeypatch)
-    cfg = k.default_config(M, 4096, 14336, 128, CUDA, 4, torch.bfloat16)
-    assert (cfg.block_m, cfg.split_k, dispatch.wgmma_consumers(cfg)) == (128, 1, 2), cfg
-
-
-@pytest.mark.parametrize("M,N,block_m,split", [
-    (32, 4096, 32, 2), (32, 6144, 32, 1),  # split 2: 128 programs on o; 192 on q|k|v, so no split
-    (100, 4096, 64, 1), (100, 6144, 128, 1),  # two 64-row tiles: 128 programs on o; 192 on q|k|v, so 128 rows
-    (256, 4096, 128, 1), (256, 6144, 256, 1),  # the same at 129-256 rows with 128- and 256-row tiles
-])
-def test_square_rows_keep_one_program_per_sm(M, N, block_m, split, monkeypatch):
-    # the one_wave rows apply only where tiles x split fit the SMs (132), else the next row's fewer programs (no split,
-    # or taller tiles)
-    _hopper(monkeypatch)
-    cfg = k.default_config(M, N, 4096, 128, CUDA, 4, torch.bfloat16)
-    assert (cfg.block_m, cfg.split_k) == (block_m, split), cfg
-    assert dispatch.wgmma_consumers(cfg) == (2 if (M, N) == (256, 4096) else 1), cfg  # o at 129-256 rows: two
-    assert -(-M // cfg.block_m) * -(-N // cfg.block_n) * cfg.split_k <= 132 or block_m == 256, cfg
-    monkeypatch.setattr(dispatch, "num_sms", lambda device, stand_in: 264)  # twice the SMs: every one_wave row fits
-    assert k.default_config(M, 6144, 4096, 128, CUDA, 4, torch.bfloat16).block_m == {32: 32, 100: 64, 256: 128}[M]
-
-
 @pytest.mark.parametrize("why,args", [
     ("not Hopper", dict(capability=(8, 0))), ("Blackwell", dict(capability=(10, 0))), ("8 bits", dict(bits=8)),
     ("groups of 32", dict(group=32)), ("N % 8", dict(N=4100)), ("unaligned weights", dict(tma_aligned=False)),
     ("M = 16", dict(M=16)), ("prefill-sized M", dict(M=257)), ("CPU", dict(device=torch.device("cpu"))),
 ])
 def test_default_config_leaves_wgmma_out_where_it_cannot_run(why, args, monkeypatch):
+    # the H100 table's WGMMA candidates on a described device: none is picked where the kernel cannot run
+    _hopper(monkeypatch)
+    assert k.default_config(128, 4096, 14336, 128, CUDA, 4, torch.bfloat16, table=H100_TABLE).algo is A.WGMMA
     _hopper(monkeypatch, args.pop("capability", (9, 0)))
     kw = dict(M=128, N=4096, K=14336, group=128, device=CUDA, bits=4, tma_aligned=True) | args
     cfg = k.default_config(kw["M"], kw["N"], kw["K"], kw["group"], kw["device"], kw["bits"], torch.bfloat16,
-                           kw["tma_aligned"])
+                           kw["tma_aligned"], table=H100_TABLE)
     assert cfg.algo is not A.WGMMA, (why, cfg)
 
 
@@ -311,7 +282,7 @@ def test_fewest_stages_allowed_cannot_hang(consumers, monkeypatch):
 def test_default_config_without_gluon_falls_back(monkeypatch):
     _hopper(monkeypatch)
     monkeypatch.setattr(dispatch, "has_gluon", lambda: False)
-    assert k.default_config(40, 28672, 4096, 128, CUDA, 4, torch.bfloat16).algo is A.TC
+    assert k.default_config(40, 28672, 4096, 128, CUDA, 4, torch.bfloat16, table=H100_TABLE).algo is not A.WGMMA
 
 
 def test_wgmma_config_refused_with_the_reason():
@@ -345,7 +316,7 @@ needs_hopper = pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper (sm_90)
 @needs_hopper
 @pytest.mark.parametrize("cfg", WGMMA_CONFIGS, ids=str)
 @pytest.mark.parametrize("M", [1, 70, 256])
-def test_every_default_config_matches_reference(cfg, M):
+def test_every_table_config_matches_reference(cfg, M):
     qweight, scales, zeros = _layer(4096, 1024, 128)
     x = torch.randn(M, 4096, device=CUDA, dtype=torch.bfloat16)
     out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
@@ -444,12 +415,11 @@ def test_unaligned_weights_refused_or_avoided():
 def test_cuda_graph_replay_matches():
     qweight, scales, zeros = _layer(4096, 1024, 128)
     x = torch.randn(100, 4096, device=CUDA, dtype=torch.bfloat16)
-    cfg = k.default_config(100, 1024, 4096, 128, CUDA)
-    assert cfg.algo is A.WGMMA
-    k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)  # compile outside the capture
+    cfg = k.W4A16Config(128, 64, 64, 4, 4, 4, A.WGMMA)  # with split-K: the workspace and counters in the graph
+    k.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128)
+        out = k.w4a16_matmul(x, qweight, scales, zeros, 4, 128, config=cfg)
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert _rel(out, k.w4a16_matmul_ref(x.float(), qweight, scales, zeros, 4, 128)) < 4e-3

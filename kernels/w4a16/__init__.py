@@ -18,7 +18,8 @@ per layer with the same permutation (as exllama/Marlin-style GPTQ kernels do).
 | module | what |
 |---|---|
 | ``reference`` | ``pack_rows`` / ``unpack_rows``, ``dequantize_packed``, ``w4a16_matmul_ref`` (the reference and CPU path) |
-| ``dispatch`` | ``W4A16Config``, ``default_config``: one kernel per regime, from a table of rules on the shape |
+| ``dispatch`` | ``W4A16Config``, what each kernel can run, ``default_config``: the first candidate that can from the device's table |
+| ``tables`` | the per-device tuning tables (``configs/<device name>.json``, written by ``research/w4a16_tables.py``) and the rule for devices without one |
 | ``matmul`` | ``w4a16_matmul`` (checks + launch), the split-K workspace, the custom op ``w4a16_matmul_op`` |
 | ``gemv_kernels`` | ``GEMV``, M = 1: a 1-D fp32 accumulator, one FFMA per weight of its biased value |
 | ``tc_kernels`` | ``TC``, M = 2-64 on CUDA: the weight tile dequantized to exact ``q - z`` in MMA-fragment order, one ``tl.dot`` per K step |
@@ -36,8 +37,8 @@ Int -> float is the magic-number trick: OR a field into the mantissa of a power 
   call (the "serial split-K with semaphore" scheme of CUTLASS, done with atomics).
 * Decode batches on Hopper (17-256 rows): ``WGMMA`` computes ``out^T = W^T x^T`` with the dequantized weight as
   wgmma's register operand and pipelines each K step (TMA copies several steps ahead, the dequantization of step i
-  beside the tensor cores' step i - 1; CUTLASS's Hopper mainloop, Machete's mixed-input scheme); ``default_config``
-  falls back to ``TC`` / ``DEQUANT_MATMUL`` off sm_90 or without Gluon.
+  beside the tensor cores' step i - 1; CUTLASS's Hopper mainloop, Machete's mixed-input scheme), where the device's
+  table has it; ``default_config`` falls back to ``TC`` / ``DEQUANT_MATMUL`` off sm_90 or without Gluon.
 * Large M (prefill): the weight dequantized to ``x.dtype``, then cuBLAS (exllama's large-batch path).
 
 Sources of the tricks: FasterTransformer / Marlin (magic-number dequant, LOP3 pairs), exllama (dequant + GEMM for

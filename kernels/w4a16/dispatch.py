@@ -1,4 +1,5 @@
-"""Launch configurations of ``w4a16_matmul``: ``W4A16Config``, and ``default_config``, a table of rules on the shape."""
+"""Launch configurations of ``w4a16_matmul``: ``W4A16Config``, whether a kernel can run a layer, and
+``default_config``, which takes the first candidate that can from the device's tuning table (``tables.py``)."""
 
 import dataclasses
 import enum
@@ -10,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from .._launch import cuda_capability, num_sms
+from .tables import Candidate, Table, fallback_candidates, table_for
 
-TUNED_NUM_SMS = 132  # the H200 the rules were tuned on: off CUDA, default_config picks the split-K it gets
-TUNED_CAPABILITY = (9, 0)  # and its compute capability (Hopper: WGMMA applies)
+STAND_IN_NUM_SMS = 132  # off CUDA (the Triton interpreter), the SM count split-K is computed for
+STAND_IN_CAPABILITY = (9, 0)  # and the compute capability (only CUDA devices reach the capability checks)
 
 
 class W4A16Algo(enum.Enum):
@@ -93,104 +95,6 @@ def split_k_for(num_tiles: int, k_iters: int, num_sms: int, programs_per_sm: int
 
 
 SQUARE, WIDE, TALL = "square", "wide", "tall"
-ANY_SHAPE = (SQUARE, WIDE, TALL)
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """One row of ``RULES``: for ``min_m <= M <= max_m`` and a weight of one of ``shapes``, launch ``config``: its
-    ``split_k`` replaced by ``split_k_for`` at ``programs_per_sm`` (which counts one row of output tiles: ``max_m <=
-    config.block_m`` in those rows), or, when that is 0, kept as the rule gives it (the sweep's, for 132 SMs) but
-    lowered to the largest power of two dividing the K steps (equal K slices) that leaves at least 2 K steps a slice
-    (a WGMMA consumer).
-    With ``one_wave``, the row applies only where its grid (output tiles x split_k) is at most one program per SM:
-    where two programs share some SMs and not others, those SMs set the time, and the next row's fewer programs (no
-    split, or taller tiles) win (the WGMMA kernel's dequantization keeps an SM's CUDA cores busy with one program)."""
-
-    min_m: int
-    max_m: int
-    shapes: tuple[str, ...]
-    config: W4A16Config
-    programs_per_sm: int
-    one_wave: bool = False
-
-
-def _tile(algo: str, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-          split_k: int = 1) -> W4A16Config:
-    return W4A16Config(block_m, block_n, block_k, split_k, num_warps, num_stages, W4A16Algo(algo))
-
-
-# The first row that matches and whose kernel applies (``_applies``) wins. H200 device time per call, bf16 x, group
-# 128, next to bf16 torch.matmul of the shape (BENCHMARKS.md, the W4A16 run of record, unless said otherwise):
-RULES = (
-    # 4096 x 14336: 13.7 us vs bf16 30.4 (2.22x); 0.8 us faster than 2048-column tiles on q|k|v (7.8 vs 8.7)
-    Rule(1, 1, ANY_SHAPE, _tile("gemv", 1, 512, 64, 2, 1), 8),
-    # 4096 x 4096 at M = 16: 9.6 us vs bf16 13.2 (1.38x); DOT_SWAP took 16.9 there (round 3)
-    Rule(1, 16, ANY_SHAPE, _tile("tc", 16, 64, 128, 4, 3), 4),
-    # WGMMA rows: H100 device time, bf16 x, group 128, on the engine's fused shapes, next to bf16 torch.matmul and the
-    # kernel these rows replaced, whose weight tile went through shared memory (BENCHMARKS.md, issue 23, 2026-12-06,
-    # third session: `research/w4a16_wgmma_rs.py` at commit 2e5ed42)
-    # (the times are of the config each row launches; rows with block_k = 128 are followed by rows of block_k = 64 for
-    # groups of 64)
-    # 4096 x 28672 (gate|up) at M = 32 / 64: 45.9 / 53.5 us vs bf16 84.0 / 81.1, the previous kernel 51.1 / 52.8
-    Rule(17, 32, (WIDE,), _tile("wgmma", 32, 128, 64, 4, 4), 0),
-    Rule(33, 64, (WIDE,), _tile("wgmma", 64, 128, 64, 4, 4), 0),
-    # at M = 128: 67.6 us vs bf16 85.4, previous 71.6
-    Rule(65, 128, (WIDE,), _tile("wgmma", 128, 128, 64, 4, 4), 0),
-    # at M = 192 / 256: 114.2 / 118.5 us vs bf16 92.9 / 99.2, previous 133.4 / 138.7; 111.3 vs bf16 98.8 at M = 256 with
-    # the 16-byte epilogue and the split-scale dequantization (issue 23, 2026-12-07)
-    Rule(129, 256, (WIDE,), _tile("wgmma", 256, 128, 64, 8, 4), 0),
-    # 14336 x 4096 (down) at M = 32 / 64: 21.2 / 25.2 us vs bf16 43.7 / 45.1 (split 8 at M = 32: 24.6); block_k = 64
-    # at M = 64, split 4: 27.9 (split 8: 32.0); at M = 32 split 4 as block_k = 128 (untimed) (issue 23, 2026-12-07,
-    # third session, the kernel with a producer warp)
-    Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=4), 0),
-    Rule(17, 32, (TALL,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=4), 0),
-    Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 128, 4, 4, split_k=4), 0),
-    Rule(33, 64, (TALL,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=4), 0),
-    # at M = 128: 46.3 us vs bf16 52.3, previous 48.1; 43.4 vs bf16 53.2 on 2026-12-07
-    Rule(65, 128, (TALL,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=4), 0),
-    # at M = 192 / 256, two consumers on 128-row tiles (8 warps on 64 columns), 8 stages, no split (128 programs):
-    # 56.8 / 57.9 us vs bf16 76.5 / 58.5; 256-row tiles, one consumer, split 2 (the rule before, timed twice in the
-    # row) 56.5-56.9 / 62.5-66.2; two consumers with split 2: 70.2 / 78.2 (H100, issue 23, 2026-12-07, sixth session)
-    Rule(129, 256, (TALL,), _tile("wgmma", 128, 64, 64, 8, 8), 0),
-    # 4096 x 6144 (q|k|v) / 4096 x 4096 (o), issue 23, 2026-12-07, third session (the kernel with a producer warp):
-    # one program per SM at most (one_wave) where the grid allows, else fewer programs. At M = 32, o: split 2,
-    # 11.6 us vs bf16 14.3 (split 4: 11.5); q|k|v: split 1, 14.4 vs bf16 20.3 (split 2: 14.9, split 4: 18.2); block_k
-    # = 64 as block_k = 128 (untimed)
-    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 128, 4, 4, split_k=2), 0, one_wave=True),
-    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 128, 4, 4), 0),
-    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 64, 4, 4, split_k=2), 0, one_wave=True),
-    Rule(17, 32, (SQUARE,), _tile("wgmma", 32, 64, 64, 4, 4), 0),
-    # at M = 64, o: split 2, 13.3 us vs bf16 14.4; q|k|v: split 1, 14.8 vs bf16 20.4 (split 2: 18.0); block_k = 64,
-    # split 2: 15.9 / 19.5 (split 4: 15.1 / 23.8)
-    Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 128, 4, 4, split_k=2), 0, one_wave=True),
-    Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 128, 4, 4), 0),
-    Rule(33, 64, (SQUARE,), _tile("wgmma", 64, 64, 64, 4, 4, split_k=2), 0),
-    # at M = 96 / 128, o: 64-row tiles, 15.4 / 14.5 us vs bf16 14.5 / 15.0 (128-row: 21.4 / 21.4; block_k = 64,
-    # 128-row split 2: 19.2 / 19.5); q|k|v: 128-row tiles, 22.9 / 22.0 vs bf16 19.7 / 20.3 (64-row at M = 96: 24.2)
-    Rule(65, 128, (SQUARE,), _tile("wgmma", 64, 64, 128, 4, 4), 0, one_wave=True),
-    Rule(65, 128, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4, split_k=2), 0, one_wave=True),
-    Rule(65, 128, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0),
-    # at M = 192 / 256, o: 128-row tiles, 25.7 / 21.8 us vs bf16 16.6 / 17.3 (256-row: 26.6 / 26.5); q|k|v:
-    # 256-row tiles, 33.7 / 27.1 vs bf16 28.3 / 24.1 (128-row: 39.0 / 31.7)
-    # o at M = 192 / 256 with two consumers on 128-row tiles (8 warps on 64 columns), 8 stages: 19.3 / 19.5 us vs bf16
-    # 16.5 / 18.9, one consumer 22.0 / 22.4 (4 stages; 8 stages: 21.0 / 21.5) (issue 23, 2026-12-07, fifth session)
-    Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 8, 8), 0, one_wave=True),
-    Rule(129, 256, (SQUARE,), _tile("wgmma", 128, 64, 64, 4, 4), 0, one_wave=True),
-    Rule(129, 256, (SQUARE,), _tile("wgmma", 256, 64, 64, 4, 4), 0),
-    # without WGMMA (not Hopper, or its tiles do not fit): the rows below
-    # 4096 x 14336 at M = 64: 39.8 us vs DEQUANT_MATMUL's 73.5 (docs/benchmark-history.md, round 7)
-    Rule(17, 64, (WIDE,), _tile("tc", 64, 128, 128, 8, 3), 0),
-    # 14336 x 4096 at M = 64: 48.5 us vs DEQUANT_MATMUL's 77.6; without split-K 136.0 (round 7)
-    Rule(17, 64, (TALL,), _tile("tc", 64, 128, 128, 8, 3), 2),
-    # without TC (8-bit, fp32 x, groups of less than a K step, CPU): 4096 x 4096 at M = 4, 12.9 us vs bf16 12.8 (round 3)
-    Rule(1, 4, (SQUARE,), _tile("dot", 16, 64, 128, 4, 3), 4),
-    Rule(1, 16, (WIDE, TALL), _tile("dot", 16, 128, 128, 4, 3), 4),
-    # 4096 x 4096 at M = 16: 16.9 us vs bf16 13.1 (round 3)
-    Rule(5, 16, (SQUARE,), _tile("dot_swap", 16, 64, 128, 4, 3), 4),
-    # M = 256: 26.1 / 85.7 / 91.2 us, 0.65x / 0.51x / 0.52x of bf16; the fused Triton GEMMs tried reached 0.58x at best
-    Rule(1, 2**62, ANY_SHAPE, _tile("dequant_matmul", 128, 128, 128, 4, 3), 0),
-)
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,7 +148,7 @@ def wgmma_fits(config: W4A16Config, N: int, K: int, group_size: int, device: tor
     kernel's docstring), shared memory that fits (``_wgmma_smem_bytes``); every K step in one group and the K slices
     whole, of at least 2 steps a consumer (``K % (block_k * split_k) == 0``); ``N % 8 == 0`` (TMA: 16-byte row
     strides of the scales and zero points)."""
-    if device.type != "cuda" or cuda_capability(device, TUNED_CAPABILITY)[0] != 9:
+    if device.type != "cuda" or cuda_capability(device, STAND_IN_CAPABILITY)[0] != 9:
         return f"WGMMA needs a Hopper (sm_90) GPU, got {device}"
     if not has_gluon():
         return "WGMMA needs Gluon (triton >= 3.6)"
@@ -299,33 +203,30 @@ def weight_shape(N: int, K: int) -> str:
 
 
 def default_config(M: int, N: int, K: int, group_size: int, device: torch.device, bits: int = 4,
-                   dtype: torch.dtype = torch.bfloat16, tma_aligned: bool = True) -> W4A16Config:
-    """The launch configuration used when none is given: the first row of ``RULES`` for ``M`` and the weight's shape
-    (``weight_shape``) whose kernel applies (and whose grid fits one program an SM, for a ``one_wave`` row), with its
-    split-K from ``split_k_for`` (the device's SM count).
-
-    Each row is the fastest configuration of the sweeps for its regime (docs/benchmark-history.md, issue 7, on the
-    H200; BENCHMARKS.md, issue 23, on the H100): the GEMV at M = 1, the tensor-core kernel up to 16 rows, on Hopper
-    the WGMMA kernel for 17-256 rows; elsewhere the tensor-core kernel for wide or tall weights up to 64 rows;
-    dequantize + cuBLAS above (prefill chunks). Batch-1 decode of a GPTQ 4-bit Llama-3-8B shape takes 2.60 ms per
-    token with them, bf16 4.44 (1.71x, H200, issue 7); 2.96 against 5.86 on an H100 (1.98x, issue 23, 2026-12-07).
+                   dtype: torch.dtype = torch.bfloat16, tma_aligned: bool = True,
+                   table: Table | None = None) -> W4A16Config:
+    """The launch configuration used when none is given: the first candidate for ``M`` and the weight's shape
+    (``weight_shape``) in the device's tuning table (``tables.table_for``; ``tables.fallback_candidates`` on a
+    device without one, and past the table's rows) whose kernel applies (``_applies``; for a ``one_wave`` candidate,
+    whose grid is at most one program an SM), with its split-K count (``_config``).
 
     Args: the GEMM sizes (``x [M, K] @ W [K, N]``), the group size, the device, the weight's bits and x's dtype;
         ``tma_aligned``: whether qweight, scales and zeros have 16-byte aligned base addresses (False leaves out
-        WGMMA, whose TMA copies need them).
+        WGMMA, whose TMA copies need them); ``table``: the table to read instead of the device's.
     Returns: a ``W4A16Config``.
     Raises: ValueError: ``M < 1`` (``w4a16_matmul`` launches nothing for an empty batch).
     """
     if M < 1:
         raise ValueError(f"default_config needs M >= 1, got {M}")
-    shape = weight_shape(N, K)
-    for rule in RULES:
-        if rule.min_m <= M <= rule.max_m and shape in rule.shapes:
-            cfg = _with_split(rule, N, K, device)
-            if _applies(cfg, N, K, group_size, device, bits, dtype, tma_aligned) and not (
-                    rule.one_wave and _num_programs(M, N, cfg) > num_sms(device, TUNED_NUM_SMS)):
-                return cfg
-    raise AssertionError(f"no rule of RULES for M={M}, {shape}: the last rule must take every M and shape")
+    table = table if table is not None else table_for(device)
+    found = table.candidates(weight_shape(N, K), M) if table is not None else ()
+    sms = num_sms(device, STAND_IN_NUM_SMS)
+    for candidate in found + fallback_candidates(M):
+        cfg = _config(candidate, N, K, sms)
+        if _applies(cfg, N, K, group_size, device, bits, dtype, tma_aligned) and not (
+                candidate.one_wave and _num_programs(M, N, cfg) > sms):
+            return cfg
+    raise AssertionError(f"no W4A16 candidate for M={M}: the fallback's last candidate runs any layer")
 
 
 def _num_programs(M: int, N: int, cfg: W4A16Config) -> int:
@@ -333,15 +234,19 @@ def _num_programs(M: int, N: int, cfg: W4A16Config) -> int:
     return -(-M // cfg.block_m) * -(-N // cfg.block_n) * cfg.split_k
 
 
-def _with_split(rule: Rule, N: int, K: int, device: torch.device) -> W4A16Config:
-    """``rule.config`` with the split-K ``Rule`` describes."""
-    cfg = rule.config
+def _config(candidate: Candidate, N: int, K: int, sms: int) -> W4A16Config:
+    """``candidate`` as a ``W4A16Config`` for an ``N``-column, ``K``-row weight on ``sms`` SMs, with the split-K count
+    its ``split_k_rule`` gives: ``programs_per_sm``, ``split_k_for`` over one row of output tiles; ``fixed``, its count
+    lowered to the largest power of two dividing the K steps (equal slices) that leaves at least 2 K steps a slice
+    and WGMMA consumer."""
+    cfg = W4A16Config(candidate.block_m, candidate.block_n, candidate.block_k, 1, candidate.num_warps,
+                      candidate.num_stages, W4A16Algo(candidate.algo))
     k_iters = -(-K // cfg.block_k)
-    if rule.programs_per_sm:
-        split = split_k_for(-(-N // cfg.block_n), k_iters, num_sms(device, TUNED_NUM_SMS), rule.programs_per_sm)
+    if candidate.split_k_rule == "programs_per_sm":
+        split = split_k_for(-(-N // cfg.block_n), k_iters, sms, candidate.programs_per_sm)
     else:
-        split = math.gcd(cfg.split_k, k_iters)  # the rules' splits are powers of two
+        split = math.gcd(candidate.split_k, k_iters)
         least = 2 * wgmma_consumers(cfg) if cfg.algo == W4A16Algo.WGMMA else 2
-        while split > 1 and k_iters // split < least:  # at least 2 K steps per slice and WGMMA consumer
+        while split > 1 and k_iters // split < least:
             split //= 2
-    return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)
+    return dataclasses.replace(cfg, split_k=split)
