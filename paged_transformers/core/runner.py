@@ -245,8 +245,8 @@ class ModelRunner:
     def _precompile_kernels(self) -> None:
         """Eager layers on CUDA: the dummy forwards of ``_warmups`` under ``kernels.compile_only``, so that our Triton
         kernels' variants compile in threads now, several at a time, instead of one after another in the first calls
-        (H200, Llama-3-8B shape: seven variants, 6 s of the first call). An error there is logged and left to the
-        first call that meets it, as without this."""
+        (seven variants on a Llama-3-8B shape). An error there is logged and left to the first call that meets it, as
+        without this."""
         try:
             with compile_only():
                 for warmup in self._warmups():
