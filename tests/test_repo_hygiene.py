@@ -46,7 +46,7 @@ SKIP_UNTIL_REFACTOR_MERGES = frozenset({
     "paged_transformers/core/weights.py", "paged_transformers/core/cpu_linear.py",
     "paged_transformers/core/engine_lifecycle.py", "paged_transformers/core/draw.py",
     "paged_transformers/config.py", "paged_transformers/compilation/cuda_graphs.py",
-    "kernels/w4a16/dispatch.py", "paged_transformers/entrypoints/openai/", "patches/generate.py",
+    "paged_transformers/entrypoints/openai/", "patches/generate.py",
     "paged_transformers/cli.py", "paged_transformers/bench/command.py",
 })
 
