@@ -11,7 +11,12 @@ shapes ``[M, K] x [K, N]``, microseconds, MKL / oneDNN, weights hot in cache::
 
 MKL is ahead only for one to three rows on a weight that stays in cache; in a model whose weights stream from
 memory every step, oneDNN is ahead at one row too (SmolLM2, 16 greedy tokens at batch 1: 0.54 s per call with every
-product on oneDNN, 0.61 s with one-to-three-row products on MKL), so every fp32 product takes it. (The plain weight
+product on oneDNN, 0.61 s with one-to-three-row products on MKL), so every fp32 product of up to 64 rows takes it,
+its rows padded to the next of ``ROW_BUCKETS`` (oneDNN keeps a primitive per shape, 0.3-1 MiB each, for good: see
+there). Above 64 rows ``F.linear`` was as fast or faster in ``research/cpu_linear_route.py`` (SmolLM2's own weights,
+the best of 30 runs on the same machine while loaded by other work, microseconds, F.linear / oneDNN packed: layer
+0's q_proj at 100 rows 384 / 545 and at 256 rows 958 / 958, gate_proj 1126 / 1635 and 2581 / 2792, the LM head at
+100 rows 56079 / 143780), so the route ends there. (The plain weight
 is handed over: oneDNN reorders it at every call. A pre-reordered copy, ``torch.ops.mkldnn._reorder_linear_weight``,
 halved batch 8 again, but costs a second copy of every weight, 538 MB for SmolLM2, and a 0.33 s repack whenever the
 weights change: see "Packed weights" below.)
@@ -32,6 +37,7 @@ every change the engine reports), checked at every product: a weight changed sin
 stale pack is never read, also should a pack outlive the change.
 """
 
+import bisect
 import contextlib
 import platform
 import types
@@ -40,6 +46,15 @@ import torch
 import torch.nn.functional as F
 
 from .weights import WeightsChange
+
+# Row counts the oneDNN route computes with: a product of other rows is padded to the next one. oneDNN makes (JIT
+# compiles) a primitive per shape and two caches keep them, torch's ideep (``LRU_CACHE_CAPACITY``, 1024 entries)
+# and oneDNN's own (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024): 0.3-1 MiB each, so every new row count held memory
+# for good (265 MiB over 200 calls of a 2-layer model, still growing). Both capacities are process-wide environment
+# variables read at start-up, so the route bounds its shapes instead: at most len(ROW_BUCKETS) per weight shape
+# (14 per routed shape, padding at most a third of the rows). Above the largest bucket ``F.linear`` (MKL, which keeps
+# nothing per shape) was as fast or faster (module docstring).
+ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 
 
 def available() -> bool:
@@ -136,24 +151,47 @@ def _packed_forward(routes: RoutedLinears, module: torch.nn.Linear, packed: torc
     """``module``'s forward reading ``packed`` (its weight at pack time, ``key = (data_ptr, _version, shape,
     generation)``) while the weight and ``routes.generation`` still match ``key``; the plain route (``_forward``)
     otherwise."""
-    linear = torch.ops.mkldnn._linear_pointwise
-    out_features = packed.shape[0]
-
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight = module.weight
         now = (weight.data_ptr(), weight._version, weight.shape, routes.generation)
         if now != key or x.dtype != torch.float32 or x.numel() == 0:
             return _forward(module, x)
+        out = _onednn(x, packed, module.bias)
+        if out is None:
+            return F.linear(x, weight, module.bias)
         routes.num_packed_products += 1
-        return linear(x.reshape(-1, x.shape[-1]), packed, module.bias, "none", [], "").view(*x.shape[:-1], out_features)
+        return out
 
     return forward
 
 
+def rows_bucket(rows: int) -> int | None:
+    """The row count ``rows`` rows are padded to on the oneDNN route (the smallest of ``ROW_BUCKETS`` that holds
+    them), or None above the largest: those products take ``F.linear``."""
+    i = bisect.bisect_left(ROW_BUCKETS, rows)
+    return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) else None
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x [..., K] @ weight^T + bias`` -> ``[..., N]`` float32 through ``_linear_pointwise`` (``weight`` plain
+    ``[N, K]`` or packed), its rows padded with zeros to ``rows_bucket``; None when there are more rows than the
+    largest bucket (the caller takes ``F.linear``)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    bucket = rows_bucket(rows)
+    if bucket is None:
+        return None
+    if bucket != rows:
+        x2 = torch.cat([x2, x2.new_zeros(bucket - rows, x2.shape[1])])
+    out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[1])
+
+
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``: ``x [..., K]`` -> ``[..., N]``, through oneDNN for float32 (``F.linear`` otherwise)."""
+    """``module(x)``: ``x [..., K]`` -> ``[..., N]``, through oneDNN for float32 up to ``ROW_BUCKETS[-1]`` rows
+    (``F.linear`` otherwise)."""
     weight = module.weight
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() == 0:
         return F.linear(x, weight, module.bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, module.bias, "none", [], "")
-    return out.view(*x.shape[:-1], weight.shape[0])
+    out = _onednn(x, weight, module.bias)
+    return F.linear(x, weight, module.bias) if out is None else out
