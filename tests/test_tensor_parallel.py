@@ -7,6 +7,7 @@ Each engine is started once per module (``tp_llm``): its worker processes are sp
 """
 
 import json
+import logging
 import multiprocessing
 import subprocess
 import sys
@@ -225,6 +226,42 @@ def test_close_ends_the_workers(tp_llm, saved):
     procs = list(llm.llm_engine.worker_processes)
     llm.close()
     assert procs and not any(p.is_alive() for p in procs) and not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_close_after_a_worker_died_is_quiet(tp_llm, saved, caplog, how):
+    """``close()`` (and leaving a ``with LLM(...)`` block) after a worker was killed used to raise gloo's error for the
+    lost peer (the cleanup itself ran); now it closes, logging the worker's death once, and ends every worker."""
+    tp_llm.close()
+    caplog.set_level(logging.WARNING, logger="paged_transformers")
+    with LLM(saved("llama")[1], tensor_parallel_size=2, **ENGINE) as llm:
+        procs = list(llm.llm_engine.worker_processes)
+        procs[0].kill()
+        procs[0].join(10)
+        if how == "close":
+            llm.close()
+            llm.close()  # idempotent, and quiet again
+    died = [r for r in caplog.records if "exited with code" in r.getMessage()]
+    assert len(died) == 1 and procs[0].name in died[0].getMessage(), [r.getMessage() for r in caplog.records]
+    assert not any(p.is_alive() for p in procs) and not multiprocessing.active_children()
+
+
+def test_exit_after_a_worker_died_is_quiet(saved, tmp_path):
+    """A script that ends without ``close()`` after a worker died: the exit handler used to print gloo's error for
+    the lost peer ("Exception ignored in atexit callback"); now it logs the death and exits cleanly."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from paged_transformers import LLM
+        if __name__ == "__main__":
+            torch.set_num_threads(1)
+            llm = LLM(sys.argv[1], tensor_parallel_size=2, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks=8)
+            worker = llm.llm_engine.worker_processes[0]
+            worker.kill()
+            worker.join(10)
+    """)
+    run = subprocess.run([sys.executable, "-c", script, saved("llama")[1]], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and "Traceback" not in run.stderr and "exited with code" in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("ending", ["raise RuntimeError('driver failed')", "pass  # interpreter exit, no close()"])

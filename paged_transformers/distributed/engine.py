@@ -2,6 +2,7 @@
 workers' loop (``serve``). The protocol between them is ``protocol.py``'s."""
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -10,6 +11,8 @@ from ..core.engine import LLMEngine
 from ..core.sizing import model_kv_shape
 from .protocol import CALLS, Call, Channel, Query, Shutdown, Step, batch_tables
 from .sharding import ShardPlan
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedEngine(LLMEngine):
@@ -90,16 +93,31 @@ class DriverEngine(ShardedEngine):
         return emptied
 
     def close(self) -> None:
-        """Close here and on every worker, then end the workers (``shutdown``). Idempotent."""
+        """Close here and on every worker, then end the workers (``shutdown``). Idempotent. A worker that died (its
+        process killed, or lost) cannot take the message, and the collective raises: the close goes on without it,
+        logging that once (``_lost_workers``), as the launcher's shutdown ends the workers whatever state they are in.
+        """
         was_closed = self.closed
         try:
             super().close()
             if not was_closed:
-                self._call("close")
+                try:
+                    self._call("close")
+                except RuntimeError as e:  # gloo's / NCCL's error for a rank that is gone
+                    logger.warning("%s; closed without it", self._lost_workers(e))
         finally:
             shutdown, self.shutdown = self.shutdown, None
             if shutdown is not None:
                 shutdown()
+
+    def _lost_workers(self, error: RuntimeError) -> str:
+        """What a failed message to the workers says: the spawned workers that exited (name, pid, exit code), or,
+        when none did (a group made by torchrun: its processes are not ours), the collective's error."""
+        for p in self.worker_processes:
+            p.join(0.5)  # a killed worker's exit code, once it is reaped
+        dead = [f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in self.worker_processes
+                if p.exitcode is not None]  # fmt: skip
+        return "tensor-parallel worker " + ", ".join(dead) if dead else f"tensor-parallel workers unreachable ({error})"
 
     def worker_tables(self) -> list[dict[int, list[int]]]:
         """Every rank's persistent block tables (``protocol.batch_tables``), rank 0's first."""
