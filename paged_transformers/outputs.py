@@ -11,7 +11,8 @@ class CompletionOutput:
         index: which of the request's ``n`` sequences.
         text: the decoded output, once the request has finished ('' before that, and without a tokenizer;
             ``paged_transformers.integration.streaming.stream`` yields text as it is generated); cut before a matched
-            ``stop`` string.
+            ``stop`` string, and without the text of the stop token or EOS that ended it (both kept with
+            ``SamplingParams.include_stop_str_in_output``), as in vLLM.
         token_ids: output token ids (EOS / stop token included when it ended the sequence).
         cumulative_logprob: sum of the sampled tokens' logprobs, when ``logprobs`` was asked for.
         logprobs: per output token, ``{token_id: logprob}`` (the sampled token and the top-k).
