@@ -43,7 +43,8 @@ class EngineConfig:
             steps run eagerly. None (default): ``min(2 * max_num_seqs, 512, max_num_batched_tokens)`` (vLLM's).
             Either way capped at ``max_num_batched_tokens`` and, as the graphs hold decode steps only, at
             ``max_num_seqs``. Graphs are captured per bucket at its first step (``capture_cudagraphs()``: all at
-            once), so a larger limit costs capture time and graph memory only when those batch sizes run.
+            once), so a larger limit costs capture time only when those batch sizes run; the KV pool's sizing
+            reserves the memory of every bucket's graph (their static logits) up front.
         usage_context: ``UsageContext`` (or its value as a string) whose defaults the None limits take:
             ``"LLM_CLASS"`` (default) or ``"OPENAI_API_SERVER"`` (what ``serve`` sets).
 
@@ -57,7 +58,7 @@ class EngineConfig:
 
             then ``max_num_batched_tokens = min(max_num_seqs * max_model_len, default)`` (with chunked prefill off,
             at least ``max_model_len`` first) and ``max_num_seqs = min(default, max_num_batched_tokens)``. On CPU the
-            engine keeps its earlier values instead of vLLM's (4096 / 256 and 2048 / 128). ``LLMEngine.config``
+            engine keeps its earlier values instead of vLLM's (4096 / 256 and 2048 / 128 per rank). ``LLMEngine.config``
             holds the values picked. The KV pool is sized after a profiled step of ``max_num_batched_tokens``
             tokens, so a larger budget leaves a smaller pool within ``gpu_memory_utilization``.
         enable_chunked_prefill: split prompts longer than the remaining token budget across steps.
