@@ -23,11 +23,12 @@ def _checksum_chunk_kernel(
     words = tl.load(base_ptr + c).to(tl.pointer_type(tl.int32))
     start = tl.load(start_ptr + c)
     length = tl.load(length_ptr + c)
+    lanes = tl.arange(0, BLOCK)
+    lane_weights = lanes.to(tl.int64) * K  # the weight of word start + it * BLOCK + j is this + (start + it * BLOCK) * K + 1
     acc = tl.zeros([BLOCK], dtype=tl.int64)
     for it in range(ITERS):
-        offs = it * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < length
-        idx = start + offs  # int64
-        w = tl.load(words + idx, mask=mask, other=0).to(tl.int64)  # sign-extended
-        acc += w * (idx * K + 1)
+        first = start + it * BLOCK  # int64
+        mask = it * BLOCK + lanes < length
+        w = tl.load(words + first + lanes, mask=mask, other=0).to(tl.int64)  # sign-extended
+        acc += w * (lane_weights + (first * K + 1))
     tl.store(out_ptr + c, tl.sum(acc, axis=0))
