@@ -15,10 +15,10 @@ from ..integration.compat import can_set_attn_implementation
 from ..sampling_params import SamplingParams
 
 
-def check_text(text: str) -> None:
-    """Raise unless ``text`` is valid Unicode: a lone UTF-16 surrogate (U+D800..U+DFFF, which JSON's ``"\\ud800"``
-    escape or ``surrogateescape`` decoding produce) has no UTF-8 encoding, and Hugging Face tokenizers raise a
-    ``TypeError`` for it.
+def check_text(text: str, what: str = "text") -> None:
+    """Raise unless ``text`` (called ``what`` in the error) is valid Unicode: a lone UTF-16 surrogate (U+D800..U+DFFF,
+    which JSON's ``"\\ud800"`` escape or ``surrogateescape`` decoding produce) has no UTF-8 encoding, and Hugging Face
+    tokenizers raise a ``TypeError`` for it.
 
     Raises:
         ValueError: naming the surrogate and its character offset.
@@ -26,7 +26,7 @@ def check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"text has a lone UTF-16 surrogate U+{ord(text[e.start]):04X} at character {e.start} "
+        raise ValueError(f"{what} has a lone UTF-16 surrogate U+{ord(text[e.start]):04X} at character {e.start} "
                          f"(not valid Unicode): {text[max(0, e.start - 20) : e.start + 1]!r}") from None
 
 

@@ -262,10 +262,7 @@ class LLM:
                 conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
             )  # fmt: skip
-            try:
-                check_text(text)  # the tokenizer's own error for it is a TypeError
-            except ValueError as e:
-                raise ValueError(f"conversation {i}: {e}") from None
+            check_text(text, f"conversation {i}")  # the tokenizer's own error for a lone surrogate is a TypeError
             parsed.append((self.tokenizer(text, add_special_tokens=False).input_ids, text))
         return self._run(parsed, sampling_params, use_tqdm)
 
