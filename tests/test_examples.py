@@ -21,6 +21,13 @@ def _run(script: str, *args: str, cwd: Path) -> str:
     return run.stdout
 
 
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_example_help_does_not_run_it(script, tmp_path):
+    """``--help`` prints the usage and exits (pipeline_example.py used to run the whole example)."""
+    out = _run(script, "--help", cwd=tmp_path)
+    assert out.startswith("usage:"), out[-2000:]
+
+
 def test_pipeline_example(tmp_path):
     """Five chats in batches of 4 (needs the tokenizer's pad token); the capital of France is Paris."""
     out = _run("pipeline_example.py", cwd=tmp_path)
