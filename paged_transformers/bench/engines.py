@@ -60,7 +60,6 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
     tokens alone (the batch-1 decode target); its per-step times land in ``extra["decode_batch1"]``.
     """
     from ..core.engine import LLMEngine
-    from ..sampling_params import SamplingParams
 
     device = next(model.parameters()).device
     _peak_reset(device)
@@ -68,55 +67,18 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
     engine = make_engine() if make_engine is not None else LLMEngine(model, engine_config=config)
     init_s = time.perf_counter() - t_init
     try:
-        # NOTE: Triton compiles a kernel variant on first use of each specialization (e.g. sizes divisible by 16 or
-        # not), seconds in all: 32 requests of 8 tokens give prefill, chunked-prefill and mixed steps of the
-        # workload's own shapes. With 8 requests of 4 tokens the first engine of a process ran ~12% slower than
-        # the later ones (docs/benchmark-history.md).
-        warm = requests[: min(32, len(requests))]
-        for i, r in enumerate(warm):
-            engine.add_request(f"warmup{i}", r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-        t_capture = time.perf_counter()
-        graphs_captured = engine.capture_cudagraphs()
-        graph_capture_s = time.perf_counter() - t_capture
-        engine.peak_num_used_blocks = 0
-        if hasattr(engine, "reset_prefix_cache"):
-            engine.reset_prefix_cache()  # the warm-up prompts are the workload's first ones: no free hits
+        graphs_captured, graph_capture_s = _warm_up(engine, requests)
         stats0 = engine.stats() if hasattr(engine, "stats") else None
         runner = engine.runner
         runner.record_steps = True
         runner.steps.clear()
         _peak_reset(device)
 
-        start = time.perf_counter()
-        arrival = {}
-        for i, r in enumerate(requests):
-            arrival[str(i)] = time.perf_counter()
-            engine.add_request(str(i), r.prompt_token_ids,
-                               SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-        finished, walls = {}, []
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            outs = engine.step()
-            walls.append(time.perf_counter() - t0)
-            for out in outs:
-                if out.finished:
-                    finished[out.request_id] = out
-        elapsed = time.perf_counter() - start
+        arrival, finished, walls, elapsed = _timed_run(engine, requests)
         peak = _peak(device)
         steps = list(runner.steps)
         stats = engine.stats() if hasattr(engine, "stats") else None
-
-        ttft, tpot, tokens = [], [], []
-        for i, r in enumerate(requests):
-            out = finished[str(i)]
-            m = out.metrics
-            ttft.append(m.first_token_time - arrival[str(i)])
-            if r.output_len > 1:
-                tpot.append((m.finished_time - m.first_token_time) / (r.output_len - 1))
-            tokens.append(out.outputs[0].token_ids)
-            assert len(out.outputs[0].token_ids) == r.output_len, (i, len(out.outputs[0].token_ids), r.output_len)
+        ttft, tpot, tokens = _latencies(requests, arrival, finished)
         extra = dict(
             init_s=init_s,
             graph_capture_s=graph_capture_s,
@@ -142,6 +104,67 @@ def run_paged(model, requests: list[BenchRequest], config: EngineConfig, batch1_
         _peak_reset(device)
     return EngineResult("paged", elapsed, len(requests), sum(len(r.prompt_token_ids) for r in requests),
                         sum(r.output_len for r in requests), ttft, tpot, peak, tokens, extra)
+
+
+def _warm_up(engine, requests: list[BenchRequest]) -> tuple[int, float]:
+    """Run the workload's first (up to) 32 requests for 8 tokens each, then capture every decode bucket's CUDA graph;
+    the peak block count and the prefix cache are reset afterwards. Returns (graphs captured, capture seconds)."""
+    from ..sampling_params import SamplingParams
+
+    # NOTE: Triton compiles a kernel variant on first use of each specialization (e.g. sizes divisible by 16 or
+    # not), seconds in all: 32 requests of 8 tokens give prefill, chunked-prefill and mixed steps of the
+    # workload's own shapes. With 8 requests of 4 tokens the first engine of a process ran ~12% slower than
+    # the later ones (docs/benchmark-history.md).
+    warm = requests[: min(32, len(requests))]
+    for i, r in enumerate(warm):
+        engine.add_request(f"warmup{i}", r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    t_capture = time.perf_counter()
+    graphs_captured = engine.capture_cudagraphs()
+    graph_capture_s = time.perf_counter() - t_capture
+    engine.peak_num_used_blocks = 0
+    if hasattr(engine, "reset_prefix_cache"):
+        engine.reset_prefix_cache()  # the warm-up prompts are the workload's first ones: no free hits
+    return graphs_captured, graph_capture_s
+
+
+def _timed_run(engine, requests: list[BenchRequest]) -> tuple[dict, dict, list[float], float]:
+    """Add every request at once (greedy, EOS ignored) and step until all finish. Returns (arrival time per request
+    id, finished ``RequestOutput`` per request id, wall seconds per ``engine.step()``, elapsed seconds)."""
+    from ..sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    arrival = {}
+    for i, r in enumerate(requests):
+        arrival[str(i)] = time.perf_counter()
+        engine.add_request(str(i), r.prompt_token_ids,
+                           SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+    finished, walls = {}, []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        walls.append(time.perf_counter() - t0)
+        for out in outs:
+            if out.finished:
+                finished[out.request_id] = out
+    return arrival, finished, walls, time.perf_counter() - start
+
+
+def _latencies(requests: list[BenchRequest], arrival: dict, finished: dict) -> tuple[list, list, list]:
+    """(TTFT seconds per request, TPOT seconds per request of more than one output token, output token ids per
+    request), in request order; asserts each request made exactly its ``output_len`` tokens."""
+    ttft, tpot, tokens = [], [], []
+    for i, r in enumerate(requests):
+        out = finished[str(i)]
+        m = out.metrics
+        ttft.append(m.first_token_time - arrival[str(i)])
+        if r.output_len > 1:
+            tpot.append((m.finished_time - m.first_token_time) / (r.output_len - 1))
+        tokens.append(out.outputs[0].token_ids)
+        assert len(out.outputs[0].token_ids) == r.output_len, (i, len(out.outputs[0].token_ids), r.output_len)
+    return ttft, tpot, tokens
+
 
 
 def _delta_rate(before, after) -> float | None:
