@@ -19,7 +19,7 @@ A plain sum or norm sees neither a permutation nor, for floats read as values, m
 
 Why a kernel: the engine checks every weight at every call, so the check must run at memory bandwidth in one
 launch (16 GB of an 8B bf16 model at about 3 TB/s: 5 ms), with no temporaries of the arrays' size. PyTorch's
-integer ops make an int64 copy of every word and several passes (``checksums_ref``, used on the CPU).
+integer ops take three passes over an int64 copy of every word (``checksums_ref``, used on the CPU).
 """
 
 from dataclasses import dataclass
@@ -30,7 +30,7 @@ from .._launch import load_triton_kernels
 
 BLOCK = 1024  # words per iteration of a program
 CHUNK = 64 * BLOCK  # words per program: 256 KiB
-REF_CHUNK = 1 << 14  # words per row of the reference's chunks
+REF_CHUNK = 1 << 16  # words per piece of the reference
 
 
 def _s64(value: int) -> int:
@@ -60,9 +60,12 @@ def _check_words(words: list[torch.Tensor]) -> torch.device:
 def checksums_ref(words: list[torch.Tensor], chunk: int = REF_CHUNK) -> torch.Tensor:
     """The checksum of each array (see the module docstring), with PyTorch ops on the arrays' device.
 
+    Each piece of ``chunk`` words starting at word ``s`` gets its weights as one add to a fixed table
+    (``j * K + 1``, plus ``s * K``), then one multiply and one sum: three passes over ``chunk`` int64s.
+
     Args:
         words: 1-D contiguous int32 tensors on one device.
-        chunk: words per row; 16 rows at a time, so the temporaries are ``16 * chunk`` int64 words.
+        chunk: words per piece; the temporaries are two ``[chunk]`` int64 tensors.
 
     Returns:
         ``[len(words)]`` int64 on that device.
@@ -73,23 +76,14 @@ def checksums_ref(words: list[torch.Tensor], chunk: int = REF_CHUNK) -> torch.Te
     device = _check_words(words)
     if type(chunk) is not int or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    weights = torch.arange(chunk, dtype=torch.int64, device=device) * K + 1  # [chunk]: j * K + 1
+    table = torch.arange(chunk, dtype=torch.int64, device=device) * K + 1  # [chunk]: j * K + 1
+    scratch = torch.empty(chunk, dtype=torch.int64, device=device)
     out = torch.zeros(len(words), dtype=torch.int64, device=device)
-    rows_per_pass = 16
     for a, w in enumerate(words):
-        n_full = w.numel() // chunk
-        pieces = [(w[: n_full * chunk].view(n_full, chunk), 0)] if n_full else []
-        if w.numel() % chunk:
-            pieces.append((w[n_full * chunk:].view(1, -1), n_full))
-        total = out[a]
-        for rows, first_row in pieces:
-            for r in range(0, rows.shape[0], rows_per_pass):
-                block = rows[r: r + rows_per_pass].to(torch.int64)  # [R, C]
-                width = block.shape[1]
-                # word i = row * chunk + j: weight (row * chunk) * K + (j * K + 1)
-                offsets = (torch.arange(first_row + r, first_row + r + block.shape[0], dtype=torch.int64,
-                                        device=device) * chunk) * K  # [R]
-                total += (block.sum(1) * offsets).sum() + block.mul_(weights[:width]).sum()
+        for start in range(0, w.numel(), chunk):
+            piece = w[start: start + chunk]
+            weights = torch.add(table[: piece.numel()], _s64(start * K), out=scratch[: piece.numel()])
+            out[a] += weights.mul_(piece).sum()  # int32 words promoted to int64: sign-extended
     return out
 
 
