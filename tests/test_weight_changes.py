@@ -208,3 +208,32 @@ if hasattr(torch.optim, "Adafactor"):
 def test_a_change_between_calls_reaches_the_next_call_on_cuda(change):
     model = make_tiny_model("llama", seed=30).cuda()
     _check_second_call(model, CUDA_CHANGES[change], EngineConfig(gpu_memory_utilization=0.2))
+
+
+def test_quantized_weights_written_in_place_reach_the_next_call():
+    """``QuantLinear`` keeps a dequantized copy of its weight on the CPU, keyed by its buffers' addresses: a
+    ``load_state_dict`` (or a ``.data`` write) into them must drop it, so the next call computes with the new
+    weights (reference: stock greedy on a model built with those weights)."""
+    from transformers import Qwen2Config
+
+    from conftest import stock_greedy
+    from paged_transformers import SamplingParams, paged_generate
+    from paged_transformers.quantization import build_random_quantized_model
+
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    model, other = (build_random_quantized_model(cfg, "gptq", 4, 32, torch.float32, "cpu", seed=s) for s in (1, 3))
+    prompt = [3, 14, 15, 92, 65, 35, 8, 9, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = paged_generate(model, [prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith(("qweight", "scales", "zeros")):
+                buf.data.copy_(other.get_buffer(name))  # through .data, at the same addresses
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.data.copy_(q.data)
+    expected = stock_greedy(other, prompt, 6)[0]
+    assert expected != first, "the other weights must move the greedy output"
+    got = paged_generate(model, [prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    paged_transformers.release(model)
+    assert got == expected
