@@ -6,6 +6,7 @@ test_w4a16_wgmma.py's."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,3 +139,69 @@ def test_bad_buckets_are_refused():
 def test_a_table_round_trips_through_json():
     table = tables.table_named("NVIDIA H100 80GB HBM3")
     assert Table.from_json(json.loads(json.dumps(table.to_json()))) == table
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def described_gpu(monkeypatch):
+    """``describe(name, capability, sms)``: make ``torch.device("cuda")`` that GPU for ``table_for`` and
+    ``default_config`` on any machine (no launch: ``default_config`` only chooses)."""
+    def describe(name, capability, sms):
+        props = SimpleNamespace(name=name, major=capability[0], minor=capability[1], multi_processor_count=sms)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        monkeypatch.setattr(dispatch, "cuda_capability", lambda device, stand_in: capability)
+        monkeypatch.setattr(dispatch, "num_sms", lambda device, stand_in: sms)
+        monkeypatch.setattr(dispatch, "has_gluon", lambda: True)
+        _clear_table_caches()
+
+    yield describe
+    _clear_table_caches()
+
+
+def _clear_table_caches():
+    for cached in [f for f in vars(tables).values() if hasattr(f, "cache_clear")]:
+        cached.cache_clear()
+
+
+def test_a_gpu_with_its_own_table_gets_it(described_gpu):
+    described_gpu("NVIDIA H200", (9, 0), 132)
+    assert tables.table_for(CUDA).device_name == "NVIDIA H200"
+
+
+def test_a_hopper_without_a_table_gets_the_hopper_table_with_its_own_sm_count(described_gpu, caplog):
+    # an H100 PCIe: sm_90, 114 SMs, no table of its own
+    described_gpu("NVIDIA H100 PCIe", (9, 0), 114)
+    with caplog.at_level("INFO", logger="paged_transformers"):
+        assert tables.table_for(CUDA).device_name == "NVIDIA H100 80GB HBM3"  # 132 SMs; the H200's too: file order
+        assert tables.table_for(CUDA) is tables.table_for(CUDA)
+    said = [r.getMessage() for r in caplog.records if "W4A16" in r.getMessage()]
+    assert len(said) == 1 and all("NVIDIA H100 80GB HBM3" in m for m in said), said  # once per device, cached
+    # decode at 32 rows of a 4096 x 4096 weight: WGMMA, as on any Hopper before the tables; the one-wave candidate
+    # (32 x 64 tiles, split 2: 128 programs) does not fit 114 SMs, so the next, split 1
+    cfg = default_config(32, 4096, 4096, 128, CUDA)
+    assert (cfg.algo, cfg.block_m, cfg.block_n, cfg.split_k) == (A.WGMMA, 32, 64, 1)
+    # 4 rows: the table's TC at 4 programs an SM, 64 tiles of 64 columns, 32 K steps of 128:
+    # ceil(4 * 114 / 64) = 8 slices on 114 SMs (9 on the table's 132)
+    cfg = default_config(4, 4096, 4096, 128, CUDA)
+    assert (cfg.algo, cfg.block_n, cfg.split_k) == (A.TC, 64, 8)
+
+
+def test_a_gpu_of_another_capability_gets_the_fallback(described_gpu):
+    described_gpu("NVIDIA A100-SXM4-80GB", (8, 0), 108)
+    assert tables.table_for(CUDA) is None
+    for M in (1, 4, 32, 300):
+        cfg = default_config(M, 4096, 4096, 128, CUDA)
+        first = tables.fallback_candidates(M)[0]
+        assert (cfg.algo.value, cfg.block_m, cfg.block_n) == (first.algo, first.block_m, first.block_n), (M, cfg)
+
+
+def test_the_table_lookup_reads_the_files_once(described_gpu, monkeypatch):
+    described_gpu("NVIDIA GH200 480GB", (9, 0), 132)  # no table of its own: all files read for the nearest
+    assert default_config(32, 4096, 4096, 128, CUDA).algo is A.WGMMA
+    monkeypatch.setattr(tables.json, "loads", lambda *a: pytest.fail("a table file read again"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: pytest.fail("device asked again"))
+    for _ in range(3):
+        assert default_config(32, 4096, 4096, 128, CUDA).algo is A.WGMMA

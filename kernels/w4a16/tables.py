@@ -1,6 +1,8 @@
 """The W4A16 tuning tables: per-device JSON files of launch configurations (``configs/<device name>.json``, the
 device name as ``torch.cuda.get_device_name`` gives it with spaces as underscores, as vLLM keeps its fused-MoE
-configs), written by the research sweep (``research/w4a16_tables.py``), and the rule used on every other device.
+configs), written by the research sweep (``research/w4a16_tables.py``); which table a device gets
+(``table_for_device``: its own, else the one of its compute capability measured on the closest SM count); and the
+rule used on a device that gets none.
 
 A table file::
 
@@ -29,6 +31,7 @@ share some SMs and not others, those SMs set the time).
 import dataclasses
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from importlib import resources
 
@@ -36,6 +39,8 @@ import torch
 
 SHAPES = ("square", "wide", "tall")
 SPLIT_K_RULES = ("fixed", "programs_per_sm")
+logger = logging.getLogger("paged_transformers")
+
 _CONFIG_FIELDS = ("algo", "block_m", "block_n", "block_k", "num_warps", "num_stages")
 
 
@@ -158,12 +163,45 @@ def table_named(device_name: str) -> Table | None:
 
 
 @functools.lru_cache(maxsize=None)
+def shipped_tables() -> tuple[Table, ...]:
+    """Every shipped table, in file name order (read once)."""
+    configs = resources.files(__package__).joinpath("configs")
+    paths = sorted((p for p in configs.iterdir() if p.name.endswith(".json")), key=lambda p: p.name)
+    return tuple(Table.from_json(json.loads(p.read_text())) for p in paths)
+
+
+@functools.lru_cache(maxsize=None)
+def table_for_device(device_name: str, capability: tuple[int, int], num_sms: int) -> Table | None:
+    """The table for a GPU called ``device_name`` of compute ``capability`` with ``num_sms`` SMs, as vLLM's fused-MoE
+    config lookup degrades: the device's own table; else, among the shipped tables whose ``compute_capability`` is
+    ``capability`` (the same kernels run, WGMMA included on sm_90), the one measured on the closest SM count (ties:
+    the first by file name), so every sm_90 GPU gets a Hopper table and its WGMMA configs; else None (the fallback
+    rule). Split-K counts are then computed on the device's own SM count (``dispatch._config``). Logs the
+    choice at INFO once per device (cached)."""
+    own = table_named(device_name)
+    if own is not None:
+        logger.info("paged_transformers: W4A16 uses the tuning table of %s", device_name)
+        return own
+    same = [t for t in shipped_tables() if tuple(t.header.get("compute_capability", ())) == tuple(capability)]
+    if not same:
+        logger.info("paged_transformers: no W4A16 tuning table for %s (sm_%d%d): the fallback rule, no WGMMA",
+                    device_name, *capability)
+        return None
+    nearest = min(same, key=lambda t: abs(t.header.get("num_sms", 0) - num_sms))
+    logger.info("paged_transformers: no W4A16 tuning table for %s (sm_%d%d, %d SMs): using the one of %s, the same "
+                "compute capability on the closest SM count (%s); split-K is computed for %d SMs", device_name,
+                *capability, num_sms, nearest.device_name, nearest.header.get("num_sms"), num_sms)
+    return nearest
+
+
+@functools.lru_cache(maxsize=None)
 def table_for(device: torch.device) -> Table | None:
-    """The table of ``device``: a CUDA device's by its name, None off CUDA or for a device without one (cached: the
-    dispatch asks at every call)."""
+    """The table of ``device``: a CUDA device's by ``table_for_device``, None off CUDA (cached: the dispatch asks at
+    every call)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    return table_named(torch.cuda.get_device_name(device))
+    props = torch.cuda.get_device_properties(device)
+    return table_for_device(props.name, (props.major, props.minor), props.multi_processor_count)
 
 
 def _fixed(algo, block_m, block_n, block_k, num_warps, num_stages) -> Candidate:
