@@ -143,7 +143,7 @@ def test_weights_snapshot_tells_updates_from_replacements():
     change, detail = snapshot.compare(model)
     assert change is WeightsChange.REPLACED and detail.startswith("model.norm.weight: storage address")
     snapshot = WeightsSnapshot.take(model)
-    norm.weight.data.mul_(2.0)  # through .data: no version bump (documented; call reset_prefix_cache() then)
+    norm.weight.data.mul_(2.0)  # through .data: no version bump, unseen here (the checksums see it: WeightsFingerprint)
     assert snapshot.compare(model)[0] is WeightsChange.NONE
     model.to(torch.float64)
     assert snapshot.compare(model)[0] is WeightsChange.REPLACED
