@@ -8,42 +8,53 @@ Public API::
     from paged_transformers import engine_for, release       # the model's warm engine; free it
 """
 
+from importlib import import_module as _import_module
 from pathlib import Path as _Path
 
 from ._source_tree import map_source_folders as _map_source_folders
 
 _map_source_folders(__name__, _Path(__file__).resolve().parent)  # before any import of .kernels or .patches
 
-from .integration.cache import PagedCache  # noqa: E402
-from .config import AttentionBackend, EngineConfig
-from .core.engine import LLMEngine
-from .integration.generate import paged_generate
-from .entrypoints.llm import LLM, ModelEngine
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
-from .integration.generation_config import PerRequest
-from .patches.generate import patch, unpatch
-from .quantization import load_model
-from .integration.warm import engine_for, release
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "AttentionBackend",
-    "CompletionOutput",
-    "EngineConfig",
-    "LLM",
-    "LLMEngine",
-    "ModelEngine",
-    "PagedCache",
-    "RequestMetrics",
-    "RequestOutput",
-    "SamplingParams",
-    "PerRequest",
-    "engine_for",
-    "load_model",
-    "paged_generate",
-    "patch",
-    "release",
-    "unpatch",
-]
+# public name -> its module. Imported on first use (PEP 562 ``__getattr__``), so that importing the package (and
+# ``paged-transformers --version``) does not import torch and transformers.
+_EXPORTS = {
+    "AttentionBackend": ".config",
+    "CompletionOutput": ".outputs",
+    "EngineConfig": ".config",
+    "LLM": ".entrypoints.llm",
+    "LLMEngine": ".core.engine",
+    "ModelEngine": ".entrypoints.llm",
+    "PagedCache": ".integration.cache",
+    "RequestMetrics": ".outputs",
+    "RequestOutput": ".outputs",
+    "SamplingParams": ".sampling_params",
+    "PerRequest": ".integration.generation_config",
+    "engine_for": ".integration.warm",
+    "load_model": ".quantization",
+    "paged_generate": ".integration.generate",
+    "patch": ".patches.generate",
+    "release": ".integration.warm",
+    "unpatch": ".patches.generate",
+}
+
+
+def __getattr__(name: str):
+    """A public name (``_EXPORTS``), imported from its module on first use and kept here.
+
+    Raises:
+        AttributeError: ``name`` is not one of them.
+    """
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+__all__ = list(_EXPORTS)

@@ -5,12 +5,10 @@ import argparse
 import sys
 import time
 
-import torch
+from . import __version__
 
-from .default_model import default_model_path
-from .entrypoints.llm import LLM
-from .entrypoints.openai.cli_args import add_server_arguments
-from .sampling_params import SamplingParams
+# NOTE: torch, transformers and the engine are imported by the commands that use them, so that `--version`
+# answers at once.
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +35,15 @@ def _engine_args(args) -> dict:
 
 
 def generate_main(args) -> int:
+    """``paged-transformers generate``: print each completion, the time spent loading the model (the default model's
+    conversion from GGUF on first use included), starting the engine and generating, then a summary whose tokens/s
+    count the generation alone. Returns the exit status."""
+    import torch
+
+    from .default_model import default_model_path
+    from .entrypoints.llm import LLM
+    from .sampling_params import SamplingParams
+
     prompts = list(args.prompt)
     if args.prompts_file:
         try:
@@ -57,18 +64,31 @@ def generate_main(args) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
+    load_start = time.perf_counter()
     model = args.model if args.model is not None else str(default_model_path())
     with LLM(model, dtype=args.dtype, device=device, **_engine_args(args)) as llm:
+        engine = llm.llm_engine
+        engine_s = sum(engine.startup_times.values())  # the KV pool's sizing and the runner's start
+        load_s = time.perf_counter() - load_start - engine_s
         start = time.perf_counter()
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        used, total = llm.llm_engine.peak_num_used_blocks, llm.llm_engine.cache.num_blocks
+        used, total = engine.peak_num_used_blocks, engine.cache.num_blocks
     for out in outputs:
         print(f"--- [{out.request_id}] {out.prompt!r}")
         print(out.outputs[0].text)
+    _print_summary(outputs, load_s, engine_s, elapsed, used, total)
+    return 0
+
+
+def _print_summary(outputs, load_s: float, engine_s: float, elapsed: float, used: int, total: int) -> None:
+    """The timing line (seconds; the first token's latency: of the earliest request) and the throughput line."""
+    first = min((o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None), default=None)
+    first_token = "" if first is None else f" (first token after {first:.2f} s)"
+    print(f"model load: {load_s:.1f} s | engine start: {engine_s:.1f} s | generation: {elapsed:.2f} s{first_token}")
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(
@@ -76,7 +96,6 @@ def generate_main(args) -> int:
         f"{(num_prompt + num_output) / elapsed:.1f} tokens/s ({num_output / elapsed:.1f} output tokens/s) | "
         f"peak KV blocks used: {used}/{total}"
     )
-    return 0
 
 
 def serve_main(args) -> int:
@@ -95,7 +114,10 @@ def bench_serve_main(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``paged-transformers`` parser; every subcommand's ``--help`` shows each option's default."""
-    from . import __version__, bench
+    import torch
+
+    from . import bench
+    from .entrypoints.openai.cli_args import add_server_arguments
 
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="paged-transformers", description=__doc__, formatter_class=formatter)
@@ -135,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``paged-transformers`` command. Returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # before the parser, whose defaults import torch
+        print(f"paged-transformers {__version__}")
+        return 0
     try:
         if argv[:2] == ["bench", "serve"]:  # its own parser: its options are not the offline bench's
             return bench_serve_main(argv[2:])

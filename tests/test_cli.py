@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,23 @@ needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"fixtures fol
 
 
 def test_generate_default_model_mentions_paris(smollm2, capsys):
+    start = time.perf_counter()
     status = main(["generate", "--max-tokens", "8", "The capital of France is"])
+    wall_s = time.perf_counter() - start
     out = capsys.readouterr().out
     assert status == 0
     assert "Paris" in out
-    summary = out.strip().splitlines()[-1]
+    timing, summary = out.strip().splitlines()[-2:]
     assert summary.startswith("requests: 1 | prompt tokens: 5 |") and "peak KV blocks used:" in summary
+    # model load, engine start and generation reported apart; tokens/s count the generation alone
+    match = re.fullmatch(r"model load: ([\d.]+) s \| engine start: ([\d.]+) s \| generation: ([\d.]+) s "
+                         r"\(first token after ([\d.]+) s\)", timing)
+    assert match, timing
+    load_s, engine_s, generation_s, first_s = map(float, match.groups())
+    assert load_s + engine_s + generation_s <= wall_s + 0.2 and first_s <= generation_s + 0.01
+    num_output = int(re.search(r"output tokens: (\d+)", summary).group(1))
+    output_rate = float(re.search(r"\(([\d.]+) output tokens/s\)", summary).group(1))
+    assert output_rate == pytest.approx(num_output / generation_s, rel=0.05, abs=0.1)
 
 
 @pytest.mark.parametrize(
@@ -87,11 +99,40 @@ def test_checkpoint_without_tokenizer_is_one_whole_line(capsys):
     assert len(err) == 1 and "no usable tokenizer" in err[0], err
 
 
-def test_version(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--version"])
-    assert exit_info.value.code == 0
+def test_version(capsys, tmp_path):
+    assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"paged-transformers {importlib.metadata.version('paged-transformers')}\n"
+    # answered without importing torch or transformers (seconds each); the working directory is not the checkout
+    code = ("import sys; from paged_transformers.cli import main; status = main(['--version']); "
+            "print(status, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.stdout.splitlines()[-1] == "0 False False", (run.stdout, run.stderr[-2000:])
+
+
+def test_bench_refuses_a_large_random_model_on_cpu(monkeypatch, capsys):
+    """`bench` with no --model on a CPU machine used to start building a random Llama-3-8B (16 GB) without a word."""
+    from paged_transformers.bench import command
+
+    monkeypatch.setattr(command, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(command, "measure_device_peaks", lambda *a, **k: pytest.fail("the run started"))
+    assert main(["bench", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model llama-3-8b on cpu" in err[0] and "8.0B-parameter" in err[0], err
+    assert "16 GB in bfloat16" in err[0] and "--model tiny-llama" in err[0], err
+
+
+def test_serve_on_a_busy_port_fails_before_loading_the_model(monkeypatch, capsys):
+    """`serve` on a port in use used to load the model first and fail only when uvicorn started."""
+    from paged_transformers.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "app_from_args", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0] and "in use" in err[0], err
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])

@@ -303,6 +303,7 @@ def test_a_refused_sampling_params_leaves_no_request_on_the_warm_engine(llm):
 
 def test_cli_generate_goes_through_llm(smollm2, monkeypatch, capsys):
     import paged_transformers.cli as cli
+    import paged_transformers.entrypoints.llm as llm_module
 
     built = []
 
@@ -311,7 +312,7 @@ def test_cli_generate_goes_through_llm(smollm2, monkeypatch, capsys):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(cli, "LLM", RecordingLLM)
+    monkeypatch.setattr(llm_module, "LLM", RecordingLLM)  # the generate command imports it when it runs
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
     assert cli.main(["generate", "--chat", "--max-tokens", "4", "--max-model-len", "512", conversation[0]["content"]]) == 0
     (llm,) = built

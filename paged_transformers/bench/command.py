@@ -265,8 +265,34 @@ class _ParallelEngines:
         return engine
 
 
+def _refuse_large_shape_on_cpu(args) -> None:
+    """A named shape other than ``tiny-llama`` on a CPU device (the default device without CUDA) would build a random
+    7-8B model (14-16 GB in bfloat16) and run it for hours: refuse it before anything is built.
+
+    Raises:
+        ValueError: naming the shape, its size (GB, from its parameter count) and ``--model tiny-llama``.
+    """
+    if args.model not in MODEL_SHAPES or args.model == "tiny-llama" or torch.device(args.device).type != "cpu":
+        return
+    shape = MODEL_SHAPES[args.model][1]
+    hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * hidden // heads
+    params = (2 * shape["vocab_size"] * hidden
+              + layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * shape["intermediate_size"]))
+    raise ValueError(
+        f"--model {args.model} on {args.device} would build a random {params / 1e9:.1f}B-parameter model "
+        f"({params * torch.finfo(getattr(torch, args.dtype)).bits / 8e9:.0f} GB in {args.dtype}) and run it on the CPU "
+        "for hours; for a CPU smoke run give --model tiny-llama (e.g. paged-transformers bench --model tiny-llama "
+        "--num-requests 8), or a checkpoint path, or run on a CUDA device")
+
+
 def bench_main(args) -> int:
-    """``paged-transformers bench``: run, write ``--output-json``, print the table last."""
+    """``paged-transformers bench``: run, write ``--output-json``, print the table last.
+
+    Raises:
+        ValueError: a large named shape on a CPU device (``_refuse_large_shape_on_cpu``), or a bad option.
+    """
+    _refuse_large_shape_on_cpu(args)
     if args.entry_points:
         from .calls import format_entry_points, run_entry_points
 

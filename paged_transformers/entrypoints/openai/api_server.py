@@ -298,10 +298,30 @@ def _stop_start_up(sig, frame):
     raise _StoppedDuringStartUp(signal.Signals(sig).name)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), for uvicorn to listen on. Raises an OSError naming
+    ``host:port`` when the address cannot be bound (a port in use, an address not of this machine)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free again
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? --port picks "
+                      "another port, --host another address)") from e
+    return sock
+
+
 def run_server(args) -> int:
     """Serve until SIGTERM or SIGINT (graceful: see the module docstring); one that arrives while the model loads
     stops the engine process and exits too. Returns the exit status: 0, or 1 when the server did not start or
-    stopped because its engine died."""
+    stopped because its engine died.
+
+    Raises:
+        OSError: ``--host``/``--port`` cannot be bound (``listen_socket``), raised before the model loads.
+    """
+    sock = listen_socket(args.host, args.port)  # as vLLM: the address is taken before the model loads
     configure_logging()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_start_up)
@@ -309,6 +329,7 @@ def run_server(args) -> int:
         app = app_from_args(args)  # AsyncEngine.spawn ends its process when this is interrupted
     except _StoppedDuringStartUp as e:
         logger.info("paged_transformers: %s during start-up; stopped", e)
+        sock.close()
         return 0
     # uvicorn re-raises the signal it stopped on once it is done; the shutdown is complete by then, so let that
     # raise be a no-op and exit 0 (the default SIGTERM action would end the process with -15)
@@ -317,7 +338,7 @@ def run_server(args) -> int:
     freeze_gc_heap()
     server = GracefulServer(app, exit_on_engine_death=True, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level)
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started and not server.engine_died else 1
 
 
