@@ -7,7 +7,7 @@ engine attached for the front's whole life. Everything else talks to it through 
     ----------                                   -----------------------------------------------
     add_request(): check_request() on the    ->  commands: ("add", id, ids, params) / ("abort", id) / ("stop",)
     read-only limits, add_checked_request()      apply the commands; engine.step(); snapshot the counters
-    per-request _Stream (latest output) <------  ("outputs", [RequestOutput, ...]) / ("snapshot", ...) / ...
+    per-request OutputSlot (latest output) <---  ("outputs", [RequestOutput, ...]) / ("snapshot", ...) / ...
 
 The loop runs in one of two places:
 
@@ -32,138 +32,24 @@ docs/benchmark-history.md).
 """
 
 import asyncio
-import contextlib
 import copy
 import logging
 import multiprocessing
 import queue
-import signal
 import threading
-import time
 from multiprocessing import resource_tracker
-from typing import NamedTuple
 
 from ..core.engine_inputs import check_sampling_params, validate_prompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .engine_process import STOP_SIGNALS, PipeWriter, decode_message, run_engine_process
+from .engine_process import PipeWriter, decode_message, run_engine_process, stop_signals_held
+from .request_stream import CheckedRequest, EngineDeadError, OutputSlot, QueueFullError, RequestStream
 from .step_loop import IDLE_POLL_S, EngineLimits, EngineSnapshot, StepLoop
 
 __all__ = ["AsyncEngine", "CheckedRequest", "EngineDeadError", "EngineLimits", "EngineSnapshot", "QueueFullError",
            "RequestStream"]
 
 logger = logging.getLogger("paged_transformers")
-
-
-class QueueFullError(RuntimeError):
-    """``max_num_queued_requests`` requests are already waiting; try again later (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The stepping loop stopped (it failed, or the front was shut down)."""
-
-
-class CheckedRequest(NamedTuple):
-    """A request that ``AsyncEngine.check_request`` passed, for ``AsyncEngine.add_checked_request`` (as vLLM's front
-    hands its engine a processed ``EngineCoreRequest``): its own copies, so changing the caller's list or params
-    later cannot reach it.
-
-    Fields:
-        prompt_token_ids: the prompt, token ids (``int``) inside the vocabulary, shorter than ``max_model_len``.
-        sampling_params: the checked copy of the request's ``SamplingParams``.
-    """
-
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-
-
-@contextlib.contextmanager
-def _stop_signals_held():
-    """SIGINT and SIGTERM held back meanwhile (in the main thread; elsewhere nothing changes), as CPython starts its
-    resource tracker. Blocked, so that a process started now starts with them blocked: one that comes while its
-    interpreter starts and imports stays pending until ``run_engine_process`` ignores it (a KeyboardInterrupt
-    traceback otherwise). And one that comes to this process meanwhile is neither lost nor raised half-way through
-    the start: it reaches this process's own handler when the window ends (a thread that does not block it hands it
-    to a recorder, and it is raised again then)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, frame: arrived.append(sig)) for sig in STOP_SIGNALS}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        # one pending here is delivered now: to the recorder, or (once restored) to the process's own handler
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for sig in arrived[:1]:
-            signal.raise_signal(sig)
-
-
-class _Stream:
-    """One request's outputs as the event loop sees them: the latest snapshot, an error, or the end."""
-
-    __slots__ = ("prompt_token_ids", "latest", "error", "event")
-
-    def __init__(self, prompt_token_ids: list[int]):
-        self.prompt_token_ids = prompt_token_ids
-        self.latest: RequestOutput | None = None
-        self.error: BaseException | None = None
-        self.event = asyncio.Event()
-
-
-class RequestStream:
-    """One request's outputs, as ``AsyncEngine.add_request`` returns them: ``async for`` yields its
-    ``RequestOutput``s (cumulative snapshots; the last one has ``finished=True``); ``close()``, on any path, before or
-    after iterating, aborts the request unless it finished (its blocks are freed). Closing twice is safe.
-
-    Raises (while iterating):
-        EngineDeadError: the stepping loop stopped (or the server shut down) mid-request.
-        RuntimeError: the engine failed the request (the exception it raised, as the cause).
-    """
-
-    __slots__ = ("_front", "request_id", "arrival_time", "_stream", "_finished", "_closed")
-
-    def __init__(self, front: "AsyncEngine", request_id: str, stream: _Stream):
-        self._front, self.request_id, self._stream = front, request_id, stream
-        self.arrival_time = time.perf_counter()  # when it was handed over (seconds, perf_counter)
-        self._finished = self._closed = False
-
-    @property
-    def finished(self) -> bool:
-        """Its last output (``finished=True``) was taken."""
-        return self._finished
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        stream = self._stream
-        while not self._finished and not self._closed:
-            await stream.event.wait()
-            stream.event.clear()
-            if isinstance(stream.error, EngineDeadError):  # shut down, or the engine died: as is (a 503)
-                raise stream.error
-            if stream.error is not None:
-                raise RuntimeError(f"the engine failed this request: {stream.error}") from stream.error
-            output, stream.latest = stream.latest, None
-            if output is not None:
-                self._finished = output.finished
-                return output
-        raise StopAsyncIteration
-
-    def close(self) -> None:
-        """Stop taking outputs; abort the request in the engine unless it finished."""
-        if not self._closed:
-            self._closed = True
-            self._front._release(self.request_id, self._finished)
-            self._stream.event.set()  # an iteration waiting for an output ends
 
 
 class AsyncEngine:
@@ -226,7 +112,7 @@ class AsyncEngine:
         # start would end the hold early.
         resource_tracker.ensure_running()
         try:
-            with _stop_signals_held():
+            with stop_signals_held():
                 process.start()
             child_conn.close()
             message = None
@@ -267,7 +153,7 @@ class AsyncEngine:
         self.limits: EngineLimits | None = None
         self.snapshot = EngineSnapshot()
         self._process = None  # the engine process (spawn), or None: the stepping thread
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputSlot] = {}
         self._num_unadded = 0  # requests handed to the stepping loop and not yet added (event-loop side)
         self._counter = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -390,7 +276,7 @@ class AsyncEngine:
         self._check_running()
         self._counter += 1
         request_id = str(self._counter)
-        stream = self._streams[request_id] = _Stream(request.prompt_token_ids)
+        stream = self._streams[request_id] = OutputSlot(request.prompt_token_ids)
         self._num_unadded += 1
         self._send(("add", request_id, *request))
         return RequestStream(self, request_id, stream)

@@ -6,6 +6,7 @@ their own: the event loop never waits for a full pipe while the engine is inside
 a server busy with its streams (vLLM's engine core does its socket I/O in threads likewise). Each pipe message is a
 list of messages: a writer sends everything queued since its last send at once."""
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -45,6 +46,31 @@ def freeze_gc_heap() -> None:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # the server's to act on; the engine process ignores them
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """SIGINT and SIGTERM held back meanwhile (in the main thread; elsewhere nothing changes), as CPython starts its
+    resource tracker. Blocked, so that a process started now starts with them blocked: one that comes while its
+    interpreter starts and imports stays pending until ``run_engine_process`` ignores it (a KeyboardInterrupt
+    traceback otherwise). And one that comes to this process meanwhile is neither lost nor raised half-way through
+    the start: it reaches this process's own handler when the window ends (a thread that does not block it hands it
+    to a recorder, and it is raised again then)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: arrived.append(sig)) for sig in STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        # one pending here is delivered now: to the recorder, or (once restored) to the process's own handler
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in arrived[:1]:
+            signal.raise_signal(sig)
 
 
 def run_engine_process(conn, model, llm_kwargs: dict) -> None:
