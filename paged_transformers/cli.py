@@ -85,7 +85,8 @@ def generate_main(args) -> int:
 
 
 def _print_summary(outputs, load_s: float, engine_s: float, elapsed: float, used: int, total: int) -> None:
-    """The timing line (seconds; the first token's latency: of the earliest request) and the throughput line."""
+    """The timing line (seconds; the first token's latency: the shortest time to first token of the requests, which
+    all arrive at once) and the throughput line."""
     first = min((o.metrics.ttft for o in outputs if o.metrics is not None and o.metrics.ttft is not None), default=None)
     first_token = "" if first is None else f" (first token after {first:.2f} s)"
     print(f"model load: {load_s:.1f} s | engine start: {engine_s:.1f} s | generation: {elapsed:.2f} s{first_token}")
