@@ -267,12 +267,14 @@ class _ParallelEngines:
 
 def _refuse_large_shape_on_cpu(args) -> None:
     """A named shape other than ``tiny-llama`` on a CPU device (the default device without CUDA) would build a random
-    7-8B model (14-16 GB in bfloat16) and run it for hours: refuse it before anything is built.
+    7-8B model (14-16 GB in bfloat16) and run it for hours: refuse it before anything is built. With
+    ``--tensor-parallel-size`` > 1 the parallel engines refuse every named shape themselves, with their own message.
 
     Raises:
         ValueError: naming the shape, its size (GB, from its parameter count) and ``--model tiny-llama``.
     """
-    if args.model not in MODEL_SHAPES or args.model == "tiny-llama" or torch.device(args.device).type != "cpu":
+    if (args.model not in MODEL_SHAPES or args.model == "tiny-llama" or args.tensor_parallel_size > 1
+            or torch.device(args.device).type != "cpu"):
         return
     shape = MODEL_SHAPES[args.model][1]
     hidden, layers, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
