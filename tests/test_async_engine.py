@@ -18,6 +18,7 @@ async def _until(condition, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_request_runs_before_its_stream_is_read_and_closing_it_unread_frees_its_blocks():
     from paged_transformers import LLM, SamplingParams
     from paged_transformers.default_model import default_model_path

@@ -78,6 +78,7 @@ def _run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return proc.returncode, proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_command_writes_the_report(tmp_path, capsys):
     out = tmp_path / "bench.json"
     status, printed = _run_cli(["bench", "--model", "tiny-llama", "--dtype", "float32", "--device", "cpu",

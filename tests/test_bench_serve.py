@@ -9,6 +9,7 @@ import pytest
 from serving import skip_without_server_deps
 
 
+@pytest.mark.slow
 def test_bench_serve_runs_rates_and_writes_the_record(smollm2, tmp_path, capsys):
     skip_without_server_deps()
     pytest.importorskip("matplotlib")
@@ -42,6 +43,7 @@ def test_summarize_counts_from_the_requests():
     assert record["ttft_s"]["mean"] == 0.75
 
 
+@pytest.mark.slow
 def test_client_processes_share_the_requests_and_keep_their_order():
     """Three client processes against one server: every request completes with its own output length (ignore_eos),
     in the order of the requests, and the run's duration spans them all."""

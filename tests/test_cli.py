@@ -157,6 +157,7 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("hub_env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "closed port"}],
                          ids=["offline", "hub-unreachable"])
+@pytest.mark.slow
 def test_uncached_hub_id_fails_at_once_naming_it(hub_env, tmp_path):
     """A made-up hub id with no network: one error line naming the id and saying it is not available
     offline, instead of ~50 s of download retries ending in a tokenizer error (the timeout stops those)."""

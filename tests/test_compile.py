@@ -15,6 +15,7 @@ from paged_transformers.core.execution_plan import LayerPath
 from paged_transformers.compilation.layers import decoder_layers, outer_modules
 
 
+@pytest.mark.slow
 def test_compiled_layers_match_stock_generate(tiny_model):
     model = tiny_model("llama", seed=3)
     prompts = random_prompts(4, 1, 40, seed=5)
@@ -39,6 +40,7 @@ def test_compiled_layers_match_stock_generate(tiny_model):
     assert model.config._attn_implementation != "paged_transformers"
 
 
+@pytest.mark.slow
 def test_close_restores_a_forward_set_on_the_instance(tiny_model):
     """A ``forward`` already on a layer instance (accelerate's hooks do this) is compiled and put back on close."""
     model = tiny_model("llama", seed=4)
@@ -83,6 +85,7 @@ def test_compile_layers_validated():
         EngineConfig(compile_layers="yes")
 
 
+@pytest.mark.slow
 def test_several_model_classes_stay_compiled(tiny_model):
     """transformers' wrappers are one code object for every model class; with Dynamo's default recompile limit (8),
     the layers of the third model class compiled in one process ran eagerly, silently (``compile_error`` None).

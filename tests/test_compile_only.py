@@ -105,6 +105,7 @@ def test_cuda_first_calls_compile_no_kernel_of_ours(compile_layers, hidden_size,
         assert {m: _compiled_variants(m) for m in modules} == after_construction
 
 
+@pytest.mark.slow
 def test_a_short_max_model_len_compiles():
     """The warm-ups' prompt step is no longer than ``max_model_len`` (GPT-2 with 16 learned positions, under
     ``WARMUP_PROMPT_TOKENS``; a longer dummy prompt indexes past its position table): the layers compile (no

@@ -39,6 +39,7 @@ def calls(model, num: int, rng: random.Random) -> None:
                        engine_config=CONFIG)
 
 
+@pytest.mark.slow
 def test_resident_memory_is_bounded_over_calls_of_every_size():
     model = make_tiny_model("llama", seed=50)
     rng = random.Random(0)

@@ -30,6 +30,7 @@ def rebuilt(tmp_path_factory):
         return default_model.default_model_path(), cache
 
 
+@pytest.mark.slow
 def test_stale_copy_is_converted_again(rebuilt, monkeypatch):
     path, cache = rebuilt
     assert path == cache / default_model.DEFAULT_MODEL_NAME
@@ -43,6 +44,7 @@ def test_stale_copy_is_converted_again(rebuilt, monkeypatch):
     assert default_model.default_model_path() == path and weights.stat().st_mtime_ns == mtime  # a current copy is kept
 
 
+@pytest.mark.slow
 def test_special_tokens_are_the_gguf_metadata(rebuilt):
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig

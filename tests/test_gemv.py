@@ -168,6 +168,7 @@ class _RouteCPU(gemv_routing.DecodeLinearPass):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with bias (addmm)
+@pytest.mark.slow
 def test_compiled_layer_routes_every_projection(arch):
     """Inductor compiles a bf16 decoder layer whose products the pass routed (7 per layer: q, k, v, o, gate,
     up, down) and gives the unrouted layer's output."""

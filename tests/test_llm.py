@@ -78,6 +78,7 @@ def test_stop_token_id_text_left_out(llm, smollm2):
             assert (word in comp.text) == include, (what, word, comp.text)
 
 
+@pytest.mark.slow
 def test_chat_equals_stock_on_the_templated_prompt(llm, smollm2):
     model, tokenizer = smollm2
     conversations = [

@@ -39,6 +39,7 @@ IMPORTS = ("import paged_transformers; from paged_transformers import LLM, patch
            "print(paged_transformers.__file__)")
 
 
+@pytest.mark.slow
 def test_wheel_holds_every_package_and_no_top_level_extras(tmp_path):
     # NOTE: built from a copy holding only what the build reads, so no stale build/ folder of the
     # checkout can add files, and the checkout gets no build/ or egg-info written into it.
@@ -83,6 +84,7 @@ def test_mapped_folders_have_no_package_init():
             assert not (REPO / folder / "__init__.py").exists(), f"{folder}/__init__.py would shadow a `{folder}` package"
 
 
+@pytest.mark.slow
 def test_imports_from_the_checkout_root(tmp_path):
     # the README's Quick start leaves the user in the checkout: `python -c`, scripts saved there and `python -m`
     # put it first on sys.path, so paged_transformers comes from the checkout whatever is installed

@@ -251,6 +251,7 @@ def test_unsupported_options_raise(tiny_model, option, name):
         paged_generate(model, PROMPTS[:1], generation_config=GenerationConfig(max_new_tokens=3, **option), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_stop_strings_with_tokenizer_served_by_the_engine(smollm2, engine_count, monkeypatch, caplog):
     """``generate(..., stop_strings=..., tokenizer=tok)`` used to run stock code: ``tokenizer`` was taken
     for a model input. Stops that end inside a token and span tokens, on a left-padded batch."""

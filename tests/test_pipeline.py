@@ -2,6 +2,7 @@
 6 prompts with batch_size 4, return_full_text, chat-message inputs; a list runs on the engine in one
 ``generate()`` call, and falls back to the pipeline's batches where the engine would not serve it."""
 
+import pytest
 from transformers import pipeline
 
 import paged_transformers
@@ -21,6 +22,7 @@ CHATS = [
 ]
 
 
+@pytest.mark.slow
 def test_pipeline_matches_stock(smollm2, monkeypatch):
     model, tokenizer = smollm2
     monkeypatch.setattr(tokenizer, "padding_side", "left")
@@ -61,6 +63,7 @@ def test_pipeline_keeps_its_batches_where_the_engine_would_not_serve_the_list(sm
 
 
 
+@pytest.mark.slow
 def test_pipeline_stop_sequence_on_the_engine(smollm2, monkeypatch):
     """``stop_sequence`` makes the pipeline pass ``stop_strings`` and ``tokenizer=`` to ``generate()``: the
     engine serves it (it used to fall back to stock code) with stock's result."""

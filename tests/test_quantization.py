@@ -289,6 +289,7 @@ def test_tiny_golden_half_precision(name, dtype, models):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-gptq-4bit-g32-actorder-asym", "tiny-llama-gptq-8bit-g64", "tiny-qwen2-awq-4bit-g128-gemm"])
+@pytest.mark.slow
 def test_tiny_golden_on_the_kernel(name, monkeypatch, load_released):
     """Every ``QuantLinear`` on the Triton W4A16 kernel with its default configs, against the goldens: the prompt's
     rows (M > 1) and then each decode step alone (M = 1: the GEMV). With CUDA: fp16 on the GPU, where ``QuantLinear``
@@ -359,6 +360,7 @@ def test_tiny_goldens_on_wgmma(name, dtype, monkeypatch, load_released):
 
 @pytest.mark.parametrize("name", ["tiny-llama-gptq-4bit-g32-actorder-asym", "tiny-qwen2-awq-4bit-g128-gemm",
                                   "tiny-qwen2-gptq-4bit-perchannel-sym"])
+@pytest.mark.slow
 def test_tiny_goldens_on_the_fused_eager_layers(name, models):
     """The fused eager layers (``compilation/fused_layers.py``) over fused ``QuantLinear`` q|k|v and gate|up (GPTQ
     act-order, AWQ, per-channel) against the goldens, every prompt: fp32 on the CPU (interpreter, asked for with
@@ -387,6 +389,7 @@ def test_tiny_goldens_on_the_fused_eager_layers(name, models):
 # -- goldens: SmolLM2 ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_smollm2_gptq_golden_and_paris(models):
     model, g = models(SMOLLM2), golden(SMOLLM2)
     tol = TOL[torch.float32]
@@ -437,6 +440,7 @@ def test_build_random_quantized_model_equals_dequantized_plain_model(method, bit
     assert len(outs[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.slow
 def test_compiled_layers_with_quant_linear_match_stock_generate():
     # EngineConfig(compile_layers=True) on CPU: QuantLinear's reference path is traced into the layer graphs
     # (its weight cache would break them); greedy tokens must equal stock generate() of the same model, eager

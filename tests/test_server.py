@@ -17,6 +17,7 @@ from serving import MODEL, metric, running_server, skip_without_server_deps, sse
 MAX_TOKENS = 6
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+pytestmark = pytest.mark.slow  # every test but one talks to the server this module starts
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 from serving import MODEL, metric, running_server, skip_without_server_deps, sse_events, wait_idle
 
 NUM_CLIENTS, REQUESTS_PER_CLIENT = 64, 4
+pytestmark = pytest.mark.slow  # each test starts a server
 
 
 @pytest.fixture(scope="module")

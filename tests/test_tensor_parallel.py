@@ -24,6 +24,7 @@ from paged_transformers import LLM, PerRequest, SamplingParams, load_model, page
 ENGINE = dict(skip_tokenizer_init=True, max_model_len=128, max_num_batched_tokens=32, block_size=8, num_gpu_blocks=24)
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 PROMPTS = random_prompts(5, 3, 40, seed=1)
+pytestmark = pytest.mark.slow  # the tests spawn worker processes or a torchrun
 
 
 @pytest.fixture(scope="module")

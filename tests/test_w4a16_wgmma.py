@@ -126,6 +126,7 @@ json.dump(res, open(sys.argv[1], "w"))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c} {d} s={s} bias={b}" for c, d, s, b in CASES])
+@pytest.mark.slow
 def test_compiles_pipelined_for_sm90(case, compiled):
     cfg = CASES[case][0]
     assert isinstance(compiled[case], list), compiled[case]
