@@ -33,7 +33,7 @@ def add(scheduler: Scheduler, prompt_len: int, max_tokens: int, name: str = "r")
 def step(scheduler: Scheduler):
     """One simulated step; returns the plan as ``[(request_id, num_tokens, samples)]`` and the plan."""
     out = scheduler.schedule()
-    plan = [(seq.request_id, n, out.samples(i)) for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens))]
+    plan = [(seq.request_id, n, seq.samples) for seq, n in zip(out.seqs, out.num_scheduled_tokens)]
     sampled = {seq_id: 7 for seq_id in out.sampled_seq_ids}
     for seq in scheduler.update_from_output(out, ModelRunnerOutput(sampled, {}, {})):
         if seq.num_output_tokens >= seq.sampling_params.max_tokens:
