@@ -34,7 +34,6 @@ from .output_processor import EngineRequest, OutputProcessor, StopConditions
 from ..outputs import RequestMetrics, RequestOutput
 from .prefix_cache import CacheStats
 from .runner import ModelRunner
-from .draw import host_to_device
 from .sampling import PromptLogprobsLaunch, SampleLaunch, Sampler
 from .sampling_batch import SamplingBatch, make_generator
 from ..sampling_params import SamplingParams
@@ -313,7 +312,7 @@ class LLMEngine(EngineLifecycle):
         if self.config.async_scheduling:
             ahead = self.scheduler.schedule_ahead()
             if ahead is not None:
-                self._in_flight = self._launch(ahead, _sampled_input_ids(current, ahead))
+                self._in_flight = self._launch(ahead, current.launch.tokens_of(current.plan.sampled_seq_ids, ahead.seqs))
                 self.num_pipelined_steps += 1
         outputs = self._collect(current)
         self._drop_dead_in_flight()
@@ -395,13 +394,3 @@ def run_engine(engine: LLMEngine) -> Iterator[list[RequestOutput]]:
     while engine.has_unfinished_requests():
         yield engine.step()
 
-
-def _sampled_input_ids(current: _InFlight, ahead: SchedulerOutput) -> torch.Tensor:
-    """The input ids of ``ahead`` (one decode token per sequence, planned before ``current``'s tokens were
-    read) on the device: each sequence's token sampled by ``current``, gathered from its sampling."""
-    row_of = {seq_id: i for i, seq_id in enumerate(current.plan.sampled_seq_ids)}
-    rows = [row_of[entry.seq_id] for entry in ahead.seqs]
-    token_ids = current.launch.token_ids
-    if rows == list(range(len(rows))):
-        return token_ids[: len(rows)]
-    return token_ids[host_to_device(rows, torch.int64, token_ids.device)]  # sequences of the current step finished

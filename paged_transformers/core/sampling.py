@@ -44,6 +44,16 @@ class SampleLaunch:
     want_logprobs: list[int]  # rows that asked for logprobs, ascending
     ks: list[int]  # their SamplingParams.logprobs (top-k sizes), in the same order
 
+    def tokens_of(self, row_seq_ids: list[int], entries) -> torch.Tensor:
+        """The sampled token ids of ``entries``' sequences (plan entries, each sequence one of ``row_seq_ids``, the
+        sequences of the rows in order), ``[len(entries)]`` int64 on the device, without reading them: the input ids
+        of a decode step planned before the host read this one's tokens."""
+        row_of = {seq_id: i for i, seq_id in enumerate(row_seq_ids)}
+        rows = [row_of[entry.seq_id] for entry in entries]
+        if rows == list(range(len(rows))):
+            return self.token_ids[: len(rows)]
+        return self.token_ids[host_to_device(rows, torch.int64, self.token_ids.device)]  # some rows' sequences finished
+
 
 @dataclass(slots=True)
 class PromptLogprobsLaunch:
