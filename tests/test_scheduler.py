@@ -10,7 +10,9 @@ plans are written out by hand from the rules in the scheduler's module docstring
 import random
 
 import pytest
+import torch
 
+from paged_transformers.core.batch_defaults import DeviceDescription, resolve_batch_limits
 from paged_transformers.core.block_manager import BlockManager
 from paged_transformers.config import EngineConfig
 from paged_transformers.core.messages import ModelRunnerOutput
@@ -20,8 +22,12 @@ from paged_transformers.core.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, **config) -> Scheduler:
+    """A scheduler on the limits the engine would run it with on CPU (step limits left None resolved as
+    ``LLMEngine`` resolves them: ``batch_defaults.resolve_batch_limits``)."""
     config.setdefault("enable_prefix_caching", False)
-    return Scheduler(EngineConfig(block_size=block_size, **config), BlockManager(num_blocks, block_size), max_model_len=4096)
+    resolved = resolve_batch_limits(EngineConfig(block_size=block_size, **config),
+                                    DeviceDescription.of(torch.device("cpu")), 4096)
+    return Scheduler(resolved, BlockManager(num_blocks, block_size), max_model_len=4096)
 
 
 def add(scheduler: Scheduler, prompt_len: int, max_tokens: int, name: str = "r") -> Sequence:
