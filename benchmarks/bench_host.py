@@ -9,7 +9,7 @@ into phases (medians over the measured steps) by wrapping the engine's methods o
     prepare    ModelRunner.prepare (metadata packing; copies are host -> host on CPU)
     forward    ModelRunner._forward (the model; device time on a GPU, not host overhead)
     execute    the rest of ModelRunner.execute (copy-on-write, bucket choice, logits .float())
-    sample     Sampler.sample_tokens (Sampler.sample before it existed): the host part (parameter lists, results) plus the vocab-wide argmax /
+    sample     SamplingBatch.prepare, Sampler.launch + collect (older trees: sample_tokens, sample): the host part (parameter lists, results) plus the vocab-wide argmax /
                softmax / multinomial, which is device work on a GPU but runs on this CPU here
     update     Scheduler.update_from_output (append tokens, prefix-cache hashing) and the OutputProcessor (stop checks,
                freeing, RequestOutputs)
@@ -95,13 +95,13 @@ def _sampling_params(workload: str, i: int, output_len: int):
     return SamplingParams(temperature=0.7, top_p=0.9, seed=i, **common)
 
 
-def _sample_compute_s(sampler, logits, seqs, repeats: int = 3) -> float:
-    """Time of the sampler's vocab-wide tensor work alone on ``logits``: what a GPU would run."""
+def _sample_compute_s(sampler, logits, params, generators, repeats: int = 3) -> float:
+    """Time of the sampler's vocab-wide tensor work alone on ``logits`` (rows of ``params`` with ``generators``):
+    what a GPU would run."""
     import torch
 
     from paged_transformers.core.draw import draw
 
-    params = [s.sampling_params for s in seqs]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     best = float("inf")
     for _ in range(repeats):
@@ -109,9 +109,16 @@ def _sample_compute_s(sampler, logits, seqs, repeats: int = 3) -> float:
         logits[:, : sampler.vocab_size].argmax(dim=-1)
         if rows:
             index = torch.tensor(rows)
-            draw(logits[index, : sampler.vocab_size], [params[i] for i in rows], [seqs[i].generator for i in rows])
+            draw(logits[index, : sampler.vocab_size], [params[i] for i in rows], [generators[i] for i in rows])
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _generators(engine, seqs) -> list:
+    """Each sequence's random stream: the sampling batch's (a ``--baseline`` may predate it: the sequence's)."""
+    if hasattr(engine, "sampling_batch"):
+        return [engine.sampling_batch.states[s.seq_id].generator for s in seqs]
+    return [s.generator for s in seqs]
 
 
 def measure(workload: str, args) -> dict:
@@ -144,6 +151,8 @@ def measure(workload: str, args) -> dict:
     # the engine calls launch + collect since async scheduling (before: sample_tokens, before that: sample)
     for name in ("launch", "collect") if hasattr(engine.sampler, "launch") else ("sample_tokens",):
         _wrap(engine.sampler, name, totals, "sample")
+    if hasattr(engine, "sampling_batch"):  # the sampler's per-step metadata
+        _wrap(engine.sampling_batch, "prepare", totals, "sample")
     _wrap(engine.scheduler, "update_from_output", totals, "update")
     for name in ("check_stops", "make_outputs"):  # the output processor's stop checks and outputs
         _wrap(engine.output_processor, name, totals, "update")
@@ -184,7 +193,8 @@ def measure(workload: str, args) -> dict:
             step["other"] = step["step"] - sum(step[k] for k in ("schedule", "execute", "prepare", "forward",
                                                                    "sample", "update"))
             if "x" in last_logits:
-                step["sample_compute"] = _sample_compute_s(engine.sampler, last_logits["x"][0].float(), seqs)
+                step["sample_compute"] = _sample_compute_s(engine.sampler, last_logits["x"][0].float(),
+                                                           [s.sampling_params for s in seqs], _generators(engine, seqs))
             else:
                 step["sample_compute"] = 0.0
             steps.append(step)

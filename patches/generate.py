@@ -251,8 +251,8 @@ def _engine_generate(model, call: _Call, input_ids, prompts: list[list[int]], st
     with attached_engine(model, engine_config=call.engine_config, min_model_len=max(map(len, prompts)) + max_new,
                          owner=_OWNER) as engine:
         for r, prompt in enumerate(prompts):
-            engine.add_request(str(r), prompt, params[r])
-        for outputs in run_engine(engine, criteria):
+            engine.add_request(str(r), prompt, params[r], stopping_criteria=(criteria or {}).get(str(r)))
+        for outputs in run_engine(engine):
             for out in outputs:
                 if streamer is not None:
                     streamer.put(torch.tensor(out.outputs[0].token_ids[-1:], dtype=torch.int64))

@@ -196,8 +196,8 @@ def test_stopping_criteria_stop_the_request_like_a_stop_token(llama, async_sched
     config = EngineConfig(max_model_len=256, async_scheduling=async_scheduling)
     with LLMEngine(llama, engine_config=config) as engine:
         for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        done = {out.request_id: out for outs in run_engine(engine, {"0": [third_token]}) for out in outs if out.finished}
+            engine.add_request(str(i), prompt, params, stopping_criteria=[third_token] if i == 0 else None)
+        done = {out.request_id: out for outs in run_engine(engine) for out in outs if out.finished}
         assert_pool_whole(engine)
     stopped, other = done["0"].outputs[0], done["1"].outputs[0]
     assert calls == [1, 2, 3]
@@ -208,9 +208,8 @@ def test_stopping_criteria_stop_the_request_like_a_stop_token(llama, async_sched
 
 
 def test_stopping_criteria_need_n_1(llama):
-    from paged_transformers.core.engine import run_engine
-
+    """Refused at ``add_request``, before anything is queued."""
     with LLMEngine(llama, engine_config=EngineConfig(max_model_len=256)) as engine:
-        engine.add_request("a", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
         with pytest.raises(ValueError, match="n == 1, got n=2"):
-            next(run_engine(engine, {"a": [lambda ids, scores: False]}))
+            engine.add_request("a", [1, 2, 3], SamplingParams(n=2, max_tokens=2), stopping_criteria=[lambda ids, s: False])
+        assert not engine.requests and not engine.scheduler.has_unfinished()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import check_block_invariants, random_prompts, stock_greedy
+from sampler_helpers import Rows, sample, sample_tokens
 from paged_transformers import EngineConfig, LLMEngine, SamplingParams, paged_generate
 
 PROMPTS = random_prompts(6, 5, 60, seed=1)
@@ -171,14 +172,11 @@ def test_sampled_tokens_stay_in_the_support(llama, top_k, top_p, min_p):
 
 def _draws(logits_row: list[float], num: int, top_p_candidates: int = 256, **params) -> torch.Tensor:
     """``num`` seeded draws from one fixed logits row through the engine's sampler."""
-    from paged_transformers.core.sampling import Sampler
-    from paged_transformers.core.sequence import Sequence
-
     sp = SamplingParams(**params)
-    seqs = [Sequence(str(i), 0, [0], sp, torch.Generator().manual_seed(i)) for i in range(num)]
+    generators = [torch.Generator().manual_seed(i) for i in range(num)]
     logits = torch.tensor([logits_row] * num)
-    sampler = Sampler(set(), len(logits_row), top_p_candidates=top_p_candidates)
-    return torch.tensor([r.token_id for r in sampler.sample(logits, seqs)])
+    out = sample_tokens(logits, [sp] * num, generators, prompts=[[0]] * num, top_p_candidates=top_p_candidates)
+    return torch.tensor(out.token_ids)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +210,6 @@ def test_seeded_rows_with_top_k_or_top_p_ignore_the_batch():
     top-k / top-p is computed on (another row's larger top_k, a top-p row whose nucleus is wider than the
     candidates) or which group it is drawn in (rows without filters, greedy rows)."""
     from paged_transformers.core.sampling import Sampler
-    from paged_transformers.core.sequence import Sequence
 
     vocab = 300
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 2
@@ -223,10 +220,9 @@ def test_seeded_rows_with_top_k_or_top_p_ignore_the_batch():
               SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)]
 
     def draws(params, rows, steps=25):
-        seqs = [Sequence(str(i), 0, [1], sp, torch.Generator().manual_seed(sp.seed) if sp.seed else None)
-                for i, sp in enumerate(params)]
-        sampler = Sampler(set(), vocab, top_p_candidates=16)
-        return [sampler.sample_tokens(rows, seqs).token_ids[: len(seeded)] for _ in range(steps)]
+        batch = Rows(params, [torch.Generator().manual_seed(sp.seed) if sp.seed else None for sp in params])
+        sampler = Sampler(vocab, top_p_candidates=16)
+        return [batch.sample_tokens(sampler, rows).token_ids[: len(seeded)] for _ in range(steps)]
 
     alone = draws(seeded, logits.expand(len(seeded), vocab))
     assert len({tuple(step) for step in alone}) > 1  # not vacuous: the draws vary
@@ -264,11 +260,9 @@ def test_engine_step_invariants_with_sampling(llama):
 
 
 def test_sample_tokens_batch_matches_a_torch_reference_and_sample():
-    """``Sampler.sample_tokens`` (what the engine calls): greedy rows are the argmax, a failing processor
-    fails only its row (token None), logprobs rows carry log_softmax of the raw logits; ``sample`` agrees
-    row by row."""
-    from paged_transformers.core.sampling import Sampler
-    from paged_transformers.core.sequence import Sequence
+    """The sampler (``launch`` / ``collect``, what the engine calls): greedy rows are the argmax, a failing
+    processor fails only its row (token None), logprobs rows carry log_softmax of the raw logits; the per-row
+    view agrees row by row."""
 
     def broken(input_ids, scores):
         raise RuntimeError("boom")
@@ -277,9 +271,7 @@ def test_sample_tokens_batch_matches_a_torch_reference_and_sample():
     logits = torch.randn(4, vocab + 3, generator=torch.Generator().manual_seed(0))  # 3 padding columns
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=3),
               SamplingParams(temperature=0, logits_processors=[broken]), SamplingParams(temperature=0)]
-    seqs = [Sequence(str(i), 0, [1, 2], sp) for i, sp in enumerate(params)]
-    sampler = Sampler(set(), vocab)
-    out = sampler.sample_tokens(logits, seqs)
+    out = sample_tokens(logits, params, prompts=[[1, 2]] * len(params), vocab_size=vocab)
     expected = logits[:, :vocab].argmax(dim=-1).tolist()
     assert out.token_ids == [expected[0], expected[1], None, expected[3]]
     assert list(out.errors) == [2] and isinstance(out.errors[2], RuntimeError)
@@ -287,7 +279,7 @@ def test_sample_tokens_batch_matches_a_torch_reference_and_sample():
     logprob, top = out.logprobs[1]
     assert list(out.logprobs) == [1] and logprob == pytest.approx(float(ref[expected[1]]))
     assert sorted(top) == sorted(set(ref.topk(3).indices.tolist()) | {expected[1]})
-    results = sampler.sample(logits, seqs)
+    results = sample(logits, params, prompts=[[1, 2]] * len(params), vocab_size=vocab)
     assert [r.token_id for r in results] == out.token_ids
     assert isinstance(results[2].error, RuntimeError)
     assert results[1].top_logprobs == top and results[0].top_logprobs is None
@@ -337,21 +329,17 @@ def test_plus_inf_logit_under_sampling_fails_only_its_request(llama):
 def test_sampler_never_draws_from_undefined_probabilities(fill):
     """Logits with +inf or NaN straight from the model (no processor, the device-only path) fail their
     sampled row instead of yielding the index the NaNs put first; greedy rows keep argmax's answer."""
-    from paged_transformers.core.sampling import Sampler
-    from paged_transformers.core.sequence import Sequence
-
     vocab = 40
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     logits[[1, 3], 9] = fill
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=5),
               SamplingParams(temperature=0.0)]
-    seqs = [Sequence(str(i), 0, [1, 2], sp) for i, sp in enumerate(params)]
-    for batch in (seqs, seqs[:3]):  # a mixed greedy / sampled batch, and an all-sampled one
-        out = Sampler(set(), vocab).sample_tokens(logits[: len(batch)], batch)
+    for batch in (params, params[:3]):  # a mixed greedy / sampled batch, and an all-sampled one
+        out = sample_tokens(logits[: len(batch)], batch)
         assert list(out.errors) == [1] and isinstance(out.errors[1], ValueError), out.errors
         assert out.token_ids[1] is None and None not in out.token_ids[:1] + out.token_ids[2:]
     assert out.token_ids[0] is not None
-    assert Sampler(set(), vocab).sample_tokens(logits, seqs).token_ids[3] == 9  # argmax: +inf / NaN first, as torch
+    assert sample_tokens(logits, params).token_ids[3] == 9  # argmax: +inf / NaN first, as torch
 
 
 def test_patched_generate_sampling_with_a_plus_inf_processor_raises(llama):

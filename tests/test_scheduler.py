@@ -10,7 +10,9 @@ plans are written out by hand from the rules in the scheduler's module docstring
 import random
 
 import pytest
+import torch
 
+from paged_transformers.core.batch_defaults import DeviceDescription, resolve_batch_limits
 from paged_transformers.core.block_manager import BlockManager
 from paged_transformers.config import EngineConfig
 from paged_transformers.core.messages import ModelRunnerOutput
@@ -20,8 +22,12 @@ from paged_transformers.core.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, **config) -> Scheduler:
+    """A scheduler on the limits the engine would run it with on CPU (step limits left None resolved as
+    ``LLMEngine`` resolves them: ``batch_defaults.resolve_batch_limits``)."""
     config.setdefault("enable_prefix_caching", False)
-    return Scheduler(EngineConfig(block_size=block_size, **config), BlockManager(num_blocks, block_size), max_model_len=4096)
+    resolved = resolve_batch_limits(EngineConfig(block_size=block_size, **config),
+                                    DeviceDescription.of(torch.device("cpu")), 4096)
+    return Scheduler(resolved, BlockManager(num_blocks, block_size), max_model_len=4096)
 
 
 def add(scheduler: Scheduler, prompt_len: int, max_tokens: int, name: str = "r") -> Sequence:
@@ -33,7 +39,7 @@ def add(scheduler: Scheduler, prompt_len: int, max_tokens: int, name: str = "r")
 def step(scheduler: Scheduler):
     """One simulated step; returns the plan as ``[(request_id, num_tokens, samples)]`` and the plan."""
     out = scheduler.schedule()
-    plan = [(seq.request_id, n, out.samples(i)) for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens))]
+    plan = [(seq.request_id, n, seq.samples) for seq, n in zip(out.seqs, out.num_scheduled_tokens)]
     sampled = {seq_id: 7 for seq_id in out.sampled_seq_ids}
     for seq in scheduler.update_from_output(out, ModelRunnerOutput(sampled, {}, {})):
         if seq.num_output_tokens >= seq.sampling_params.max_tokens:

@@ -11,8 +11,10 @@
     input_batch.py       the runner's persistent batch, updated by the plans' diffs
     runner.py            one packed step through the unmodified model
     attention.py         the attention function registered with transformers
+    sampling_batch.py    the sampler's per-sequence state, updated from the plans; a step's SamplingMetadata
     sampling.py, draw.py the sampler (batched, on the device) and its random draw
-    output_processor.py  stop checks, incremental detokenization, RequestOutputs
+    output_processor.py  stop conditions (fixed at add_request) and their checks, incremental detokenization,
+                         RequestOutputs
     sizing.py            the KV pool's size from the device's memory
     weights.py           weights snapshots between calls (live weights, stale-weight errors)
     cpu_linear.py        oneDNN projections for eager fp32 steps on CPU

@@ -2,8 +2,11 @@
 
 One ``step()`` flows one way, each stage handing the next a message::
 
-    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute -> Sampler -> ModelRunnerOutput
-        -> Scheduler.update_from_output -> OutputProcessor: stops (Scheduler.finish), RequestOutputs
+    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute -> logits
+    SchedulerOutput -> SamplingBatch.prepare -> SamplingMetadata;  Sampler(logits, metadata) -> ModelRunnerOutput
+        -> SamplingBatch.record, Scheduler.update_from_output -> OutputProcessor: stops (Scheduler.finish), RequestOutputs
+
+A request's sampling state and stop conditions (``output_processor.StopConditions``) are fixed at ``add_request``.
 
 With async scheduling (``EngineConfig.async_scheduling``, on by default) the next decode step is planned
 (``Scheduler.schedule_ahead``) and launched before the previous step's tokens are read back, so that this
@@ -27,12 +30,12 @@ from .engine_inputs import check_sampling_params, model_limits, tokenize, valida
 from .engine_lifecycle import EngineLifecycle, check_loaded_model, check_not_attached, eos_token_ids
 from .kv_pool import KVPool
 from .messages import ModelRunnerOutput, SchedulerOutput
-from .output_processor import EngineRequest, OutputProcessor
+from .output_processor import EngineRequest, OutputProcessor, StopConditions
 from ..outputs import RequestMetrics, RequestOutput
 from .prefix_cache import CacheStats
 from .runner import ModelRunner
-from .draw import host_to_device
 from .sampling import PromptLogprobsLaunch, SampleLaunch, Sampler
+from .sampling_batch import SamplingBatch, make_generator
 from ..sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import SequenceStatus, fan_out
@@ -123,10 +126,11 @@ class LLMEngine(EngineLifecycle):
         self.requested_config = self.config
         self.config = resolve_batch_limits(self.config, DeviceDescription.of(device), self.max_model_len)
         sizing_s = self._make_pool(device, model_compute_dtype(model))
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)  # read again by attach(): for requests added after it
         self.scheduler = Scheduler(self.config, self.cache.block_manager, self.max_model_len)
-        self.sampler = Sampler(self.eos_token_ids, self.vocab_size)
-        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, device)
+        self.sampler = Sampler(self.vocab_size)
+        self.sampling_batch = SamplingBatch()  # the sampler's per-sequence state (sampling_batch.py)
+        self.output_processor = OutputProcessor(tokenizer, device)
         self._in_flight: _InFlight | None = None  # async scheduling: the step left running on the device
         backend = resolve_backend(self.config.attention_backend, device)
         self._install()
@@ -208,21 +212,28 @@ class LLMEngine(EngineLifecycle):
         """
         validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len, self.config)
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> None:
-        """Queue a request; it joins the batch at the next step that has room.
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    *, stopping_criteria: list[Callable] | None = None) -> None:
+        """Queue a request; it joins the batch at the next step that has room. Its stop conditions
+        (``output_processor.StopConditions``) are fixed here: the EOS ids the engine knows now, the params' stop
+        ids and strings and lengths, ``stopping_criteria``.
 
         Args:
             request_id: unique among unfinished requests.
             prompt: text (needs the tokenizer) or token ids.
             sampling_params: default ``SamplingParams()``. The request keeps a copy; ``PerRequest``
                 entries of its ``logits_processors`` are built fresh for each of its sequences.
+            stopping_criteria: callables with the transformers ``StoppingCriteria`` signature, called after
+                every new token as ``criterion(input_ids [1, num_tokens] int64, None)`` on prompt + output; a true
+                result finishes the request (``finish_reason="stop"``, the last token kept, as ``generate()``
+                keeps it). Only for ``n == 1``.
 
         Raises:
             ValueError: a ``request_id`` that is not a string or already in use, a ``SamplingParams`` field
                 out of range (``SamplingParams.validate``, run again here), ``n > max_num_seqs``,
                 ``logprobs`` or ``prompt_logprobs`` over ``vocab_size``, ``stop_token_ids`` outside the vocabulary,
-                ``stop`` strings without a tokenizer, or a bad prompt (``validate_prompt``); nothing is queued or
-                allocated then.
+                ``stop`` strings without a tokenizer, ``stopping_criteria`` with ``n > 1``, or a bad prompt
+                (``validate_prompt``); nothing is queued or allocated then.
             RuntimeError: the engine is closed, or the model's attention was switched away from ours.
         """
         self._check_usable()
@@ -231,14 +242,18 @@ class LLMEngine(EngineLifecycle):
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         sampling_params = check_sampling_params(sampling_params, self.config, self.vocab_size, self.tokenizer)
+        stops = StopConditions.resolve(sampling_params, self.eos_token_ids, self.max_model_len, stopping_criteria)
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
-        seqs = fan_out(request_id, prompt_token_ids, sampling_params, self.device)
+        seqs = fan_out(request_id, prompt_token_ids, sampling_params)
         # Registered last, after every check passed: a refused request leaves no trace.
         self.output_processor.add_request(EngineRequest(
             request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, sampling_params, seqs,
-            RequestMetrics(arrival_time=time.perf_counter()),
+            RequestMetrics(arrival_time=time.perf_counter()), stops,
         ))
+        for seq in seqs:  # the sampler's state of each sequence
+            self.sampling_batch.add(seq.seq_id, request_id, seq.sampling_params, make_generator(sampling_params, seq.index, self.device),
+                                    prompt_token_ids, stops.min_tokens_ids(self.vocab_size))
         self.scheduler.add(seqs[0])
 
     def abort_request(self, request_id: str) -> None:
@@ -297,7 +312,7 @@ class LLMEngine(EngineLifecycle):
         if self.config.async_scheduling:
             ahead = self.scheduler.schedule_ahead()
             if ahead is not None:
-                self._in_flight = self._launch(ahead, _sampled_input_ids(current, ahead))
+                self._in_flight = self._launch(ahead, current.launch.tokens_of(current.plan.sampled_seq_ids, ahead.seqs))
                 self.num_pipelined_steps += 1
         outputs = self._collect(current)
         self._drop_dead_in_flight()
@@ -313,14 +328,15 @@ class LLMEngine(EngineLifecycle):
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         self.peak_num_used_blocks = max(self.peak_num_used_blocks, self.cache.block_manager.num_used_blocks)
         logits = self.runner.execute(plan, input_ids)
-        seqs = self.scheduler.seqs
-        sample_seqs = [seqs[seq_id] for seq_id in plan.sampled_seq_ids]
+        metadata = self.sampling_batch.prepare(plan)
+        num_sampled = len(metadata) if metadata is not None else 0
         prompt_logprobs = None
         if plan.prompt_logprob_rows:  # their rows come after the sampled ones
-            logits, prompt_logits = logits[: len(sample_seqs)], logits[len(sample_seqs) :]
-            ks = [seqs[rows.seq_id].sampling_params.prompt_logprobs for rows in plan.prompt_logprob_rows]
+            logits, prompt_logits = logits[:num_sampled], logits[num_sampled:]
+            states = self.sampling_batch.states
+            ks = [states[rows.seq_id].params.prompt_logprobs for rows in plan.prompt_logprob_rows]
             prompt_logprobs = self.sampler.launch_prompt_logprobs(prompt_logits, plan.prompt_logprob_rows, ks)
-        return _InFlight(plan, self.sampler.launch(logits, sample_seqs) if sample_seqs else None, prompt_logprobs)
+        return _InFlight(plan, self.sampler.launch(logits, metadata) if metadata is not None else None, prompt_logprobs)
 
     def _collect(self, current: _InFlight) -> list[RequestOutput]:
         """Read ``current``'s sampled tokens and prompt logprobs (waiting for them only), apply them
@@ -339,6 +355,7 @@ class LLMEngine(EngineLifecycle):
                 {ids[i]: error for i, error in result.errors.items()},
                 prompt_logprobs,
             )
+        self.sampling_batch.record(output)
         updated = self.scheduler.update_from_output(current.plan, output)
         for seq, status in self.output_processor.check_stops(updated):
             self.scheduler.finish(seq, status)
@@ -372,33 +389,8 @@ class LLMEngine(EngineLifecycle):
         return stats
 
 
-def run_engine(engine: LLMEngine, stopping_criteria: dict[str, list[Callable]] | None = None) -> Iterator[list[RequestOutput]]:
-    """Step ``engine`` until it is idle, yielding each step's outputs (requests may be added meanwhile).
-
-    Args:
-        engine: an ``LLMEngine`` with requests added.
-        stopping_criteria: ``request_id -> criteria`` with the transformers ``StoppingCriteria`` signature,
-            given to the engine's output processor as the request is seen (``OutputProcessor.set_stopping_criteria``):
-            called after every new token as ``criterion(input_ids [1, num_tokens] int64, None)`` on the
-            request's prompt + output; a true result finishes the request (``finish_reason="stop"``, the
-            last token kept, as ``generate()`` keeps it). Requests with criteria must have ``n == 1``.
-
-    Raises:
-        ValueError: criteria given for a request with ``n > 1``.
-    """
-    pending = {request_id: criteria for request_id, criteria in (stopping_criteria or {}).items() if criteria}
+def run_engine(engine: LLMEngine) -> Iterator[list[RequestOutput]]:
+    """Step ``engine`` until it is idle, yielding each step's outputs (requests may be added meanwhile)."""
     while engine.has_unfinished_requests():
-        for request_id in [r for r in pending if r in engine.requests] if pending else ():
-            engine.output_processor.set_stopping_criteria(request_id, pending.pop(request_id))
         yield engine.step()
 
-
-def _sampled_input_ids(current: _InFlight, ahead: SchedulerOutput) -> torch.Tensor:
-    """The input ids of ``ahead`` (one decode token per sequence, planned before ``current``'s tokens were
-    read) on the device: each sequence's token sampled by ``current``, gathered from its sampling."""
-    row_of = {seq_id: i for i, seq_id in enumerate(current.plan.sampled_seq_ids)}
-    rows = [row_of[entry.seq_id] for entry in ahead.seqs]
-    token_ids = current.launch.token_ids
-    if rows == list(range(len(rows))):
-        return token_ids[: len(rows)]
-    return token_ids[host_to_device(rows, torch.int64, token_ids.device)]  # sequences of the current step finished

@@ -44,7 +44,8 @@ class EngineLifecycle:
         the checksums of the previous ``attach()`` (one read of every weight): written in place since then (an
         optimizer step, ``load_state_dict``, a write through ``.data``) -> the prefix cache and the copies derived
         from the weights are dropped (``runner.weights_changed``); the EOS ids are read again from the model's
-        generation config (and the tokenizer). Idempotent.
+        generation config (and the tokenizer), for the requests added after this call (a request keeps the stop
+        conditions it was added with). Idempotent.
 
         Raises:
             RuntimeError: the engine is closed.
@@ -70,10 +71,7 @@ class EngineLifecycle:
             change, detail = WeightsChange.UPDATED, changed_values
         self._install()
         self.runner.attach()
-        eos = eos_token_ids(self.model, self.tokenizer)
-        if eos != self.eos_token_ids:
-            self.eos_token_ids.clear()  # in place: the sampler and the output processor share the set
-            self.eos_token_ids.update(eos)
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)  # for the requests added from now on
         if change is WeightsChange.UPDATED and not self.reset_prefix_cache():
             logger.warning("the weights changed (%s) while requests hold KV blocks: their K/V is from the old weights, "
                            "and the prefix cache was kept; call reset_prefix_cache() once they finish", detail)
@@ -238,12 +236,12 @@ def check_not_attached(model: torch.nn.Module) -> None:
         )
 
 
-def eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
     """EOS ids as ``generate()`` would use them: the generation config's, else the tokenizer's."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
 

@@ -1,10 +1,10 @@
 """The messages of one step, which flows one way::
 
-    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute (+ Sampler) -> ModelRunnerOutput
+    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute (+ SamplingBatch, Sampler) -> ModelRunnerOutput
         -> Scheduler.update_from_output -> OutputProcessor (stops, RequestOutputs)
 
-Both messages are plain, frozen data keyed by sequence id (a request has ``n`` sequences): the runner
-never reads the scheduler's ``Sequence`` objects or the block manager, and nothing in a message changes
+Both messages are plain, frozen data keyed by sequence id (a request has ``n`` sequences): neither the runner
+nor the sampler reads the scheduler's ``Sequence`` objects or the block manager, and nothing in a message changes
 after it is made. The plan carries each sequence's NEW block ids only; the runner keeps every running
 sequence's block table in its persistent batch (``input_batch.InputBatch``) and applies these diffs
 (vLLM V1's ``SchedulerOutput`` / ``NewRequestData`` / ``CachedRequestData`` and ``ModelRunnerOutput``).
@@ -127,10 +127,6 @@ class SchedulerOutput:
     def sampled_seq_ids(self) -> list[int]:
         """The sequences of the logits rows, in row order: the sampled entries of ``seqs``, then ``forked``."""
         return [s.seq_id for s in self.seqs if s.samples] + [f.seq_id for f in self.forked]
-
-    def samples(self, i: int) -> bool:
-        """Whether ``seqs[i]`` catches up with its tokens this step, so its last row is sampled."""
-        return self.seqs[i].samples
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,13 @@
 """Stop checks and request outputs: what the engine makes of a step's new tokens.
 
-After ``Scheduler.update_from_output`` has appended a step's tokens, ``OutputProcessor.check_stops`` says
-which sequences end, in this order: a ``stop_token_ids`` token, an EOS token (unless ``ignore_eos``), a
-``stop`` string, ``max_tokens`` outputs or ``max_model_len`` tokens (``Sequence.at_length_limit``), and
-last the request's transformers ``StoppingCriteria`` (``LLMEngine.run``). ``min_tokens`` is the sampler's
-(EOS and stop tokens are masked until then). The engine ends those sequences (``Scheduler.finish``) and
-``make_outputs`` turns the touched requests into ``RequestOutput``s, forgetting the finished ones.
+Each request carries its ``StopConditions``, resolved once at ``LLMEngine.add_request`` (the EOS ids the engine
+knew then, the request's stop ids and strings, its transformers ``StoppingCriteria``, its lengths). After
+``Scheduler.update_from_output`` has appended a step's tokens, ``OutputProcessor.check_stops`` says which
+sequences end, in this order: a ``stop_token_ids`` token, an EOS token (unless ``ignore_eos``), a ``stop``
+string, ``max_tokens`` outputs or ``max_model_len`` tokens, and last the ``StoppingCriteria``. ``min_tokens``
+is enforced by the sampler, which masks ``StopConditions.min_tokens_ids`` until then. The engine ends those
+sequences (``Scheduler.finish``) and ``make_outputs`` turns the touched requests into ``RequestOutput``s,
+forgetting the finished ones.
 
 Stop strings are searched in text decoded incrementally (``IncrementalDetokenizer``: the two-offset scheme
 of Hugging Face TGI's ``decode_token`` and vLLM's ``detokenize_incrementally``), only where the new tokens'
@@ -128,9 +130,60 @@ class _StopStrings:
         return first_stop(self.text[start:] + self.detokenizer.pending(), self.stops)
 
 
+@dataclass(frozen=True, slots=True)
+class StopConditions:
+    """When the sequences of one request end, fixed when the request is added (``resolve``).
+
+    Attributes:
+        eos_token_ids: the model's EOS ids when the request was added; empty with ``ignore_eos``.
+        stop_token_ids: ``SamplingParams.stop_token_ids`` (the token is kept, and is the ``stop_reason``).
+        stop: ``SamplingParams.stop`` strings (searched in the output text; need a tokenizer).
+        stopping_criteria: transformers ``StoppingCriteria``-like callables, called after every new token as
+            ``criterion(input_ids [1, num_tokens] int64, None)`` on prompt + output; a true result ends the
+            sequence (``finish_reason="stop"``, the token kept, as ``generate()`` keeps it).
+        min_tokens: outputs before EOS or a stop id may be sampled (the sampler masks ``min_tokens_ids``).
+        max_tokens: outputs at most. max_model_len: prompt + output tokens at most.
+    """
+
+    eos_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]
+    stop: tuple[str, ...]
+    stopping_criteria: tuple[Callable, ...]
+    min_tokens: int
+    max_tokens: int
+    max_model_len: int
+
+    @classmethod
+    def resolve(cls, params: SamplingParams, eos_token_ids, max_model_len: int,
+                stopping_criteria=None) -> "StopConditions":
+        """The stop conditions of a request with ``params``, given the engine's EOS ids now.
+
+        Raises:
+            ValueError: ``stopping_criteria`` for a request with ``n > 1``.
+        """
+        criteria = tuple(stopping_criteria or ())
+        if criteria and params.n != 1:
+            raise ValueError(f"stopping criteria need n == 1, got n={params.n}")
+        return cls(frozenset() if params.ignore_eos else frozenset(eos_token_ids), frozenset(params.stop_token_ids),
+                   tuple(params.stop), criteria, params.min_tokens, params.max_tokens, max_model_len)
+
+    def min_tokens_ids(self, vocab_size: int) -> tuple[int, ...]:
+        """The ids the sampler masks until ``min_tokens`` outputs exist: the stop ids and EOS ids under
+        ``vocab_size`` (an id past the vocabulary can never be sampled), ascending; empty without ``min_tokens``."""
+        if not self.min_tokens:
+            return ()
+        return tuple(sorted(t for t in self.stop_token_ids | self.eos_token_ids if t < vocab_size))
+
+    def at_length_limit(self, num_prompt_tokens: int, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens (``num_prompt_tokens`` of them the prompt) is as long as
+        allowed: ``max_tokens`` outputs or ``max_model_len`` tokens."""
+        return num_tokens - num_prompt_tokens >= self.max_tokens or num_tokens >= self.max_model_len
+
+
 @dataclass(slots=True)
 class EngineRequest:
-    """A request while the engine serves it: its ``n`` sequences (``sequence.fan_out``) and its metrics."""
+    """A request while the engine serves it: its ``n`` sequences (``sequence.fan_out``), its stop conditions
+    and its metrics."""
 
     request_id: str
     prompt: str | None
@@ -138,7 +191,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
-    stopping_criteria: list[Callable] = field(default_factory=list)
+    stops: StopConditions
     stop_strings: dict[int, _StopStrings] = field(default_factory=dict)  # seq index -> its stop-string search
 
 
@@ -147,33 +200,16 @@ class OutputProcessor:
 
     Args:
         tokenizer: optional; for ``stop`` strings and output text.
-        eos_token_ids: EOS ids (the engine updates the set in place when the model's change).
-        max_model_len: longest sequence in tokens.
         device: where ``StoppingCriteria`` get their ``input_ids``.
     """
 
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, device: torch.device):
+    def __init__(self, tokenizer, device: torch.device):
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.device = device
         self.requests: dict[str, EngineRequest] = {}  # unfinished requests, in arrival order
 
     def add_request(self, request: EngineRequest) -> None:
         self.requests[request.request_id] = request
-
-    def set_stopping_criteria(self, request_id: str, criteria: list[Callable]) -> None:
-        """Finish the request when one of ``criteria`` (transformers ``StoppingCriteria`` signature) says so
-        after a new token: ``criterion(input_ids [1, num_tokens] int64, None)`` on prompt + output; a true
-        result ends it with ``finish_reason="stop"``, the last token kept (as ``generate()`` keeps it).
-
-        Raises:
-            ValueError: the request has ``n > 1``.
-        """
-        request = self.requests[request_id]
-        if len(request.seqs) != 1:
-            raise ValueError(f"request {request_id!r}: stopping criteria need n == 1, got n={len(request.seqs)}")
-        request.stopping_criteria = list(criteria)
 
     def check_stops(self, seqs: list[Sequence]) -> list[tuple[Sequence, SequenceStatus]]:
         """The unfinished ones of ``seqs`` (each just got a token) that end now, with how (see the module
@@ -187,27 +223,27 @@ class OutputProcessor:
         return stopped
 
     def _check_stop(self, seq: Sequence) -> SequenceStatus | None:
-        sp = seq.sampling_params
+        request = self.requests[seq.request_id]
+        stops = request.stops
         token = seq.token_ids[-1]
-        if sp.stop_token_ids and token in sp.stop_token_ids:
+        if token in stops.stop_token_ids:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
-        if not sp.ignore_eos and token in self.eos_token_ids:
+        if token in stops.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        request = self.requests[seq.request_id]
-        if sp.stop and self.tokenizer is not None:
+        if stops.stop and self.tokenizer is not None:
             search = request.stop_strings.get(seq.index)
             if search is None:
-                search = request.stop_strings[seq.index] = _StopStrings(self.tokenizer, list(sp.stop))
+                search = request.stop_strings[seq.index] = _StopStrings(self.tokenizer, list(stops.stop))
             stop = search.find(seq.output_token_ids)
             if stop is not None:
                 seq.stop_reason = stop
                 return SequenceStatus.FINISHED_STOPPED
-        if seq.at_length_limit(self.max_model_len):
+        if stops.at_length_limit(seq.num_prompt_tokens, seq.num_tokens):
             return SequenceStatus.FINISHED_LENGTH
-        if request.stopping_criteria:
+        if stops.stopping_criteria:
             ids = torch.tensor([seq.token_ids], dtype=torch.int64, device=self.device)
-            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in request.stopping_criteria):
+            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in stops.stopping_criteria):
                 return SequenceStatus.FINISHED_STOPPED
         return None
 
@@ -235,7 +271,7 @@ class OutputProcessor:
         completions = []
         for seq in seqs:
             # NOTE: decoding the whole output is O(length): done once, when the request finishes.
-            text = self.final_text(seq, bool(request.stopping_criteria)) if finished else ""
+            text = self.final_text(seq, bool(request.stops.stopping_criteria)) if finished else ""
             logprobs = seq.logprobs
             completions.append(CompletionOutput(
                 seq.index, text, seq.token_ids[seq.num_prompt_tokens :],

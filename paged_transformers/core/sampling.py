@@ -16,22 +16,12 @@ import torch
 
 from .draw import TOP_P_CANDIDATES, argmax, draw, host_to_device
 from .messages import PromptLogprobRows
-from .sequence import Sequence
-
-
-@dataclass(slots=True)
-class SampleResult:
-    """What the sampler produced for one sequence: a token, or the error that failed it."""
-
-    token_id: int | None
-    logprob: float | None = None  # of the sampled token, from the raw logits
-    top_logprobs: dict[int, float] | None = None  # token id -> logprob, sampled token included
-    error: BaseException | None = None
+from .sampling_batch import SamplingMetadata
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """One step's samples, batched: rows in the order of the sequences given to ``Sampler.sample_tokens``."""
+    """One step's samples, batched: rows in the order of the step's ``SamplingMetadata``."""
 
     token_ids: list[int | None]  # the sampled token of each row; None for a failed row
     errors: dict[int, BaseException]  # row -> the exception that failed it
@@ -54,6 +44,16 @@ class SampleLaunch:
     want_logprobs: list[int]  # rows that asked for logprobs, ascending
     ks: list[int]  # their SamplingParams.logprobs (top-k sizes), in the same order
 
+    def tokens_of(self, row_seq_ids: list[int], entries) -> torch.Tensor:
+        """The sampled token ids of ``entries``' sequences (plan entries, each sequence one of ``row_seq_ids``, the
+        sequences of the rows in order), ``[len(entries)]`` int64 on the device, without reading them: the input ids
+        of a decode step planned before the host read this one's tokens."""
+        row_of = {seq_id: i for i, seq_id in enumerate(row_seq_ids)}
+        rows = [row_of[entry.seq_id] for entry in entries]
+        if rows == list(range(len(rows))):
+            return self.token_ids[: len(rows)]
+        return self.token_ids[host_to_device(rows, torch.int64, self.token_ids.device)]  # some rows' sequences finished
+
 
 @dataclass(slots=True)
 class PromptLogprobsLaunch:
@@ -69,59 +69,29 @@ class PromptLogprobsLaunch:
 
 
 class Sampler:
-    """Samples one token per sequence from a batch of logits.
+    """Samples one token per logits row, from a step's ``SamplingMetadata`` (``sampling_batch.py``): it sees
+    parameters, random streams and token histories, never the scheduler or its sequences.
 
     Args:
-        eos_token_ids: ids masked until ``min_tokens`` outputs exist (with ``stop_token_ids``).
         vocab_size: logits columns past it (padding in some checkpoints) are never sampled.
         top_p_candidates: candidates of a top-p row without top-k on CPU (``draw.py``).
     """
 
-    def __init__(self, eos_token_ids: set[int], vocab_size: int, top_p_candidates: int = TOP_P_CANDIDATES):
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, vocab_size: int, top_p_candidates: int = TOP_P_CANDIDATES):
         self.vocab_size = vocab_size
         self.top_p_candidates = top_p_candidates
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """Sample for ``seqs`` from ``logits [len(seqs), vocab_size]`` float32 (rows in ``seqs`` order).
+    def launch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> "SampleLaunch":
+        """Enqueue the sampling of ``logits [len(metadata), >= vocab_size]`` (float32, one row per entry of
+        ``metadata``) and the copies of its results to the host; ``collect`` reads them.
 
-        A logits processor that raises, returns anything but a tensor of its input's shape
-        ``[1, vocab_size]``, or leaves its row no finite logit, fails only its own row: that row's result
-        carries the exception. ``sample_tokens`` returns the same, batched (what the engine uses).
-        """
-        out = self.sample_tokens(logits, seqs)
-        results = []
-        for i, token_id in enumerate(out.token_ids):
-            if i in out.errors:
-                results.append(SampleResult(None, error=out.errors[i]))
-            elif i in out.logprobs:
-                logprob, top_logprobs = out.logprobs[i]
-                results.append(SampleResult(token_id, logprob, top_logprobs))
-            else:
-                results.append(SampleResult(token_id))
-        return results
+        Rows with penalties or logits processors (``metadata.host_rows``) are processed here (reading the
+        device, so the call then waits for the logits); the other rows enqueue device work only: greedy argmax,
+        and temperature / top-k / top-p / min-p with an exponential-race draw, so a step of such rows is launched
+        without a host sync (``LLMEngine.step`` launches the next step before collecting this one).
 
-    def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> "SamplerOutput":
-        """``sample`` without a result object per row: one token list for the batch (``SamplerOutput``).
-        The same as ``collect(launch(logits, seqs))``."""
-        return self.collect(self.launch(logits, seqs))
-
-    @staticmethod
-    def needs_host_work(seq: Sequence) -> bool:
-        """Whether ``launch`` processes this sequence's row on the host (penalties, logits processors),
-        reading its token ids and synchronizing with the device. Rows without it are sampled with device
-        work only (no sync); an active min_tokens mask is device work, batched over the rows."""
-        p = seq.sampling_params
-        return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logits_processors)
-
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> "SampleLaunch":
-        """The device part of ``sample_tokens``: enqueue the sampling of ``logits [len(seqs), >= vocab_size]``
-        (float32, rows in ``seqs`` order) and the copies of its results to the host; ``collect`` reads them.
-
-        Rows that ``needs_host_work`` are processed here (reading the device, so the call then waits for
-        the logits); the other rows enqueue device work only: greedy argmax, and temperature / top-k /
-        top-p / min-p with an exponential-race draw, so a step of such rows is launched without a host
-        sync (``LLMEngine.step`` launches the next step before collecting this one).
+        A logits processor that raises, returns anything but a tensor of its input's shape ``[1, vocab_size]``,
+        or leaves its row no finite logit, fails only its own row: ``collect`` reports that row's exception.
 
         NOTE: this runs once per step for every running sequence, and on a GPU the host time between
         steps leaves the device idle, so the per-row Python work is kept to list comprehensions over
@@ -129,38 +99,23 @@ class Sampler:
         """
         logits = logits[:, : self.vocab_size]
         device = logits.device
-        params = [seq.sampling_params for seq in seqs]
+        params = metadata.params
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         # NOTE: only rows with penalties or processors are touched one at a time (the rows that _process_row
         # can change): a per-row copy costs a kernel launch, which at a few hundred rows per step is
         # milliseconds of host time.
-        rows = [i for i, seq in enumerate(seqs) if self.needs_host_work(seq)]
-        banned_rows, banned_ids = self._min_tokens_mask(seqs)
+        rows, banned_rows = metadata.host_rows, metadata.min_tokens_rows
         if rows or banned_rows:
             logits = logits.clone()
-        errors = self._process_rows(logits, seqs, rows)
+        errors = self._process_rows(logits, metadata) if rows else {}
         if banned_rows:  # after the processors, as the order says
-            logits.index_put_((host_to_device(banned_rows, torch.int64, device), host_to_device(banned_ids, torch.int64, device)),
+            logits.index_put_((host_to_device(banned_rows, torch.int64, device),
+                               host_to_device(metadata.min_tokens_ids, torch.int64, device)),
                               torch.tensor(float("-inf"), device=device))
         if rows:
-            self._check_processed(logits, seqs, rows, errors)
-
-        # decided on the host: no device round trip when all greedy; only the sampled rows are drawn
-        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-        generators = [seq.generator for seq in seqs]
-        if len(sample_rows) == len(params):
-            token_ids, undrawable = draw(logits, params, generators, self.top_p_candidates)
-            host_ids = token_ids.masked_fill(undrawable, -1)
-        else:
-            token_ids = host_ids = argmax(logits)
-            if sample_rows:
-                index = host_to_device(sample_rows, torch.int64, device)
-                drawn, undrawable = draw(logits[index], [params[i] for i in sample_rows],
-                                         [generators[i] for i in sample_rows], self.top_p_candidates)
-                token_ids[index] = drawn
-                host_ids = token_ids.index_put((index,), drawn.masked_fill(undrawable, -1))
-
+            self._check_processed(logits, metadata, errors)
+        token_ids, host_ids = self._draw(logits, params, metadata.generators)
         host = [_to_host(host_ids)]
         ks = [params[i].logprobs for i in want_logprobs]
         if want_logprobs:
@@ -169,8 +124,25 @@ class Sampler:
             host += _launch_token_logprobs(raw_logprobs[index], token_ids[index], max(ks))
         return SampleLaunch(token_ids, host, _copies_done(device), errors, want_logprobs, ks)
 
+    def _draw(self, logits: torch.Tensor, params, generators) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token_ids, host_ids)`` ``[num_rows]`` int64 on the device: greedy rows' argmax and the other rows'
+        draws; ``host_ids`` marks an undrawable row -1 (what ``collect`` reads)."""
+        # decided on the host: no device round trip when all greedy; only the sampled rows are drawn
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sample_rows) == len(params):
+            token_ids, undrawable = draw(logits, params, generators, self.top_p_candidates)
+            return token_ids, token_ids.masked_fill(undrawable, -1)
+        token_ids = host_ids = argmax(logits)
+        if sample_rows:
+            index = host_to_device(sample_rows, torch.int64, logits.device)
+            drawn, undrawable = draw(logits[index], [params[i] for i in sample_rows],
+                                     [generators[i] for i in sample_rows], self.top_p_candidates)
+            token_ids[index] = drawn
+            host_ids = token_ids.index_put((index,), drawn.masked_fill(undrawable, -1))
+        return token_ids, host_ids
+
     def collect(self, launch: "SampleLaunch") -> "SamplerOutput":
-        """The host part of ``sample_tokens``: wait for ``launch``'s copies (its event only: work enqueued
+        """The host part of the sampling: wait for ``launch``'s copies (its event only: work enqueued
         after it, such as the next step, is not waited for) and build the ``SamplerOutput``."""
         if launch.event is not None:
             launch.event.synchronize()
@@ -219,20 +191,23 @@ class Sampler:
             i += len(rows.token_ids)
         return out
 
-    def _process_rows(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> dict[int, BaseException]:
-        """Penalties and processors on ``rows`` of ``logits`` (in place), one row at a time. Returns row ->
-        the exception of a processor that raised (the others keep going)."""
+    def _process_rows(self, logits: torch.Tensor, metadata: SamplingMetadata) -> dict[int, BaseException]:
+        """Penalties and processors on ``metadata.host_rows`` of ``logits`` (in place), one row at a time. Returns
+        row -> the exception of a processor that raised (the others keep going)."""
         errors = {}
-        for i in rows:
+        for i in metadata.host_rows:
             try:
-                logits[i] = self._process_row(logits[i], seqs[i])
+                logits[i] = _process_row(logits[i], metadata.params[i], metadata.token_ids[i],
+                                         metadata.num_prompt_tokens[i])
             except Exception as e:  # a user's processor; keep the other rows going
                 errors[i] = e
         return errors
 
-    def _check_processed(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], errors: dict) -> None:
+    @staticmethod
+    def _check_processed(logits: torch.Tensor, metadata: SamplingMetadata, errors: dict) -> None:
         """A processed row with a NaN or no finite logit cannot be sampled: it fails alone (added to ``errors``),
         and every failed row is zeroed so that the batch's draw stays valid."""
+        rows = metadata.host_rows
         processed = logits[torch.tensor(rows, device=logits.device)]
         num_nan = processed.isnan().sum(dim=-1).tolist()
         no_finite = (~processed.isfinite().any(dim=-1)).tolist()
@@ -240,48 +215,34 @@ class Sampler:
             if (nans or none_finite) and i not in errors:
                 what = f"{nans} NaN logits" if nans else "no finite logit (every logit -inf or +inf)"
                 errors[i] = ValueError(
-                    f"the logits processors of request {seqs[i].request_id!r} left {what} in its scores of "
-                    f"{processed.shape[-1]} tokens: {[type(p).__name__ for p in seqs[i].sampling_params.logits_processors]}"
+                    f"the logits processors of request {metadata.request_ids[i]!r} left {what} in its scores of "
+                    f"{processed.shape[-1]} tokens: {[type(p).__name__ for p in metadata.params[i].logits_processors]}"
                 )
         for i in errors:
             logits[i] = 0.0
 
-    def _min_tokens_mask(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """``(rows, token ids)`` to set to -inf: EOS and ``stop_token_ids`` of each row whose sequence has
-        fewer than ``min_tokens`` outputs before the sampled one (host ints only; the outputs of planned steps
-        not read yet count: ``num_output_placeholders``, this row's own included)."""
-        active = [i for i, seq in enumerate(seqs)
-                  if len(seq.token_ids) - seq.num_prompt_tokens + max(seq.num_output_placeholders - 1, 0)
-                  < seq.sampling_params.min_tokens]
-        banned_rows, banned_ids = [], []
-        for i in active:
-            sp = seqs[i].sampling_params
-            ids = [t for t in set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids) if t < self.vocab_size]
-            banned_rows += [i] * len(ids)
-            banned_ids += ids
-        return banned_rows, banned_ids
 
-    def _process_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """Penalties and processors on one row ``[vocab_size]``."""
-        sp = seq.sampling_params
-        if sp.repetition_penalty != 1.0:
-            # CTRL / transformers: over prompt + output, divide positive logits, multiply negative ones.
-            ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=row.device)
-            picked = row[ids]
-            row[ids] = torch.where(picked > 0, picked / sp.repetition_penalty, picked * sp.repetition_penalty)
-        if sp.presence_penalty or sp.frequency_penalty:
-            counts = torch.bincount(
-                torch.tensor(seq.output_token_ids, dtype=torch.int64, device=row.device), minlength=row.numel()
-            )[: row.numel()].to(row.dtype)
-            row = row - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).to(row.dtype)
-        if sp.logits_processors:
-            input_ids = torch.tensor([seq.token_ids], dtype=torch.int64, device=row.device)
-            scores = row.unsqueeze(0)
-            for proc in sp.logits_processors:
-                scores = proc(input_ids, scores)
-                _check_scores(scores, row.numel(), proc)
-            row = scores[0]
-        return row
+def _process_row(row: torch.Tensor, sp, token_ids: list[int], num_prompt_tokens: int) -> torch.Tensor:
+    """Penalties and processors on one row ``[vocab_size]`` of a sequence whose prompt + output ids are
+    ``token_ids`` (the first ``num_prompt_tokens`` the prompt)."""
+    if sp.repetition_penalty != 1.0:
+        # CTRL / transformers: over prompt + output, divide positive logits, multiply negative ones.
+        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.int64, device=row.device)
+        picked = row[ids]
+        row[ids] = torch.where(picked > 0, picked / sp.repetition_penalty, picked * sp.repetition_penalty)
+    if sp.presence_penalty or sp.frequency_penalty:
+        counts = torch.bincount(
+            torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.int64, device=row.device), minlength=row.numel()
+        )[: row.numel()].to(row.dtype)
+        row = row - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).to(row.dtype)
+    if sp.logits_processors:
+        input_ids = torch.tensor([token_ids], dtype=torch.int64, device=row.device)
+        scores = row.unsqueeze(0)
+        for proc in sp.logits_processors:
+            scores = proc(input_ids, scores)
+            _check_scores(scores, row.numel(), proc)
+        row = scores[0]
+    return row
 
 
 UNDRAWABLE = (

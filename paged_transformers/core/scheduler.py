@@ -45,7 +45,6 @@ from .block_manager import BlockCopy, BlockManager
 from ..config import EngineConfig
 from .messages import ForkedSeq, ModelRunnerOutput, PromptLogprobRows, ScheduledSeq, SchedulerOutput
 from .prefix_cache import CacheStats, extend_block_hashes
-from .sampling import Sampler
 from .sequence import Sequence, SequenceStatus
 
 
@@ -95,7 +94,8 @@ class Scheduler:
     def schedule_ahead(self) -> SchedulerOutput | None:
         """Plan the next step while the last planned one is still being sampled (async scheduling), or None
         when that plan could differ from the one ``schedule()`` makes after its tokens are read: some
-        sequence waits or is left out of that step, needs host work to sample (``Sampler.needs_host_work``),
+        sequence waits or is left out of that step, needs host work to sample (``Sequence.needs_host_sampling``,
+        fixed when its request was added),
         or the pool lacks the blocks for every next token (``BlockManager.num_blocks_needed``: no
         preemption). A sequence that stops by length with the token being sampled
         (``Sequence.at_length_limit``) sits the plan out: the output processor ends it once that token is
@@ -112,7 +112,7 @@ class Scheduler:
             if seq.at_length_limit(self.max_model_len, 1):
                 stopping.append(seq.seq_id)
                 continue
-            if Sampler.needs_host_work(seq):
+            if seq.needs_host_sampling:
                 return None
             num_blocks += bm.num_blocks_needed(seq.seq_id, seq.num_computed_tokens, 1)
         if num_blocks > bm.num_free_blocks or len(stopping) == len(running):

@@ -4,10 +4,9 @@ import dataclasses
 import enum
 import itertools
 
-import torch
-
 from ..integration.generation_config import PerRequest, instantiate_per_request
 from ..sampling_params import SamplingParams
+from .sampling_batch import needs_host_work
 
 
 class SequenceStatus(enum.Enum):
@@ -53,18 +52,10 @@ class Sequence:
         request_id: the owning request.
         index: this sequence's index among the request's ``n``.
         prompt_token_ids: the prompt, at least one token.
-        sampling_params: the request's parameters.
-        generator: this sequence's own random stream when the request is seeded, else None.
+        sampling_params: the request's parameters (this sequence's own ``PerRequest`` processor instances).
     """
 
-    def __init__(
-        self,
-        request_id: str,
-        index: int,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        generator: torch.Generator | None = None,
-    ):
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], sampling_params: SamplingParams):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index
@@ -73,7 +64,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0  # tokens sampled by planned steps, not appended yet
         self.sampling_params = sampling_params
-        self.generator = generator
+        # its sampling reads its tokens on the host (penalties, processors): no step is planned ahead of it
+        self.needs_host_sampling = needs_host_work(sampling_params)
         self.status = SequenceStatus.WAITING
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         # prompt logprobs so far (``RequestOutput.prompt_logprobs``): [None, then one per scored prompt token]; only
@@ -127,24 +119,20 @@ class Sequence:
         )
 
 
-def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams, device: torch.device) -> list[Sequence]:
+def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
     """A request's ``params.n`` sequences, made once at ``add_request``.
 
-    Each sequence gets its own random stream when the request is seeded (seed of ``(params.seed, index)``)
-    and its own instances of the ``PerRequest`` logits processors. Only the first computes the prompt: the
+    Each sequence gets its own instances of the ``PerRequest`` logits processors (its random stream is the
+    sampling batch's: ``sampling_batch.make_generator``). Only the first computes the prompt: the
     others wait in its ``pending_forks`` and join the batch at the step that samples its first token,
     taking its blocks by reference (copy-on-write) and sampling their first token from the same logits.
     """
     per_request = any(isinstance(p, PerRequest) for p in params.logits_processors)
     seqs = []
     for index in range(params.n):
-        generator = None
-        if params.seed is not None:
-            # NOTE: hash of an int tuple is not salted per process, so the stream is reproducible.
-            generator = torch.Generator(device=device).manual_seed(hash((params.seed, index)) & (2**63 - 1))
         seq_params = params
         if per_request:  # each sequence gets its own instances of the PerRequest processors
             seq_params = dataclasses.replace(params, logits_processors=instantiate_per_request(params.logits_processors))
-        seqs.append(Sequence(request_id, index, prompt_token_ids, seq_params, generator))
+        seqs.append(Sequence(request_id, index, prompt_token_ids, seq_params))
     seqs[0].pending_forks = seqs[1:]
     return seqs

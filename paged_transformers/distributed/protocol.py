@@ -1,9 +1,10 @@
 """The messages from rank 0 to the other ranks of a tensor-parallel engine, and the channel that carries them.
 
-Rank 0 (the driver) runs the whole engine: scheduler, block manager, prefix cache, sampler, logits processors,
-stops, outputs. Ranks 1 .. tp-1 (the workers) hold a model shard, a KV pool of the same number of blocks with
-their share of the KV heads, and a ``ModelRunner``; nothing else. They do what rank 0 tells them, in the order it
-tells them, so that the collectives inside the forward line up::
+Rank 0 (the driver) runs the whole engine: scheduler, block manager, prefix cache, sampling batch (the sampler's
+per-sequence state), sampler, logits processors, stops, outputs. Ranks 1 .. tp-1 (the workers) hold a model
+shard, a KV pool of the same number of blocks with their share of the KV heads, and a ``ModelRunner``; nothing
+else. They do what rank 0 tells them, in the order it tells them, so that the collectives inside the forward
+line up::
 
     rank 0                                          every worker
     ------                                          ------------

@@ -129,7 +129,7 @@ def run_to_completion(
     stopping_criteria: dict | None = None, texts: list[str | None] | None = None,
 ) -> list[RequestOutput]:
     """Validate every prompt, queue them all on ``engine`` and step until each has finished
-    (``stopping_criteria``: per request id, as in ``engine.run_engine``).
+    (``stopping_criteria``: per request id, given to ``LLMEngine.add_request``).
 
     Args:
         prompts: strings or token ids (``tokenize_prompts``; token ids are not tokenized again).
@@ -145,10 +145,10 @@ def run_to_completion(
     if texts is None:
         texts = [p if isinstance(p, str) else None for p in prompts]
     for i, (ids, params) in enumerate(zip(token_ids, params_list)):
-        engine.add_request(str(i), ids, params)
+        engine.add_request(str(i), ids, params, stopping_criteria=(stopping_criteria or {}).get(str(i)))
     outputs: dict[str, RequestOutput] = {}
     with tqdm(total=len(prompts), desc="paged_generate", disable=not use_tqdm or len(prompts) < 2) as bar:
-        for step_outputs in run_engine(engine, stopping_criteria):
+        for step_outputs in run_engine(engine):
             for out in step_outputs:
                 if out.finished:
                     out.prompt = texts[int(out.request_id)]

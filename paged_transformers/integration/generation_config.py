@@ -37,7 +37,7 @@ from ..sampling_params import SamplingParams
 
 __all__ = [
     "ENGINE_MODES", "PerRequest", "ScoreRecorder", "check_engine_supported", "eos_token_ids",
-    "instantiate_per_request", "prepare_generation_config", "request_sampling_params",
+    "instantiate_per_request", "request_sampling_params", "resolve_generation_config",
     "sampling_params_fields", "sampling_params_for_prompts", "sampling_params_from_generation_config",
 ]
 
@@ -115,7 +115,7 @@ def check_engine_supported(gc: GenerationConfig) -> None:
         raise NotImplementedError(f"the paged engine does not support GenerationConfig options: {', '.join(unsupported)}")
 
 
-def prepare_generation_config(model, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
+def resolve_generation_config(model, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
     """The ``GenerationConfig`` ``generate()`` would use: the model's defaults, ``generation_config`` and
     ``kwargs`` merged, special-token tensors set. Checked with ``check_engine_supported``.
 
@@ -152,7 +152,7 @@ def sampling_params_from_generation_config(
         NotImplementedError: an option the engine cannot honour, naming it.
         ValueError: ``stop_strings`` without a tokenizer; a prompt left no room by ``max_length`` (index named).
     """
-    gc = prepare_generation_config(model, generation_config, **kwargs)
+    gc = resolve_generation_config(model, generation_config, **kwargs)
     criteria = []
     if gc.stop_strings is not None:
         if tokenizer is None:
@@ -180,7 +180,7 @@ def sampling_params_for_prompts(
     each request's ``max_tokens`` and ``stop_token_ids``).
 
     Args:
-        gc: a prepared ``GenerationConfig`` (``prepare_generation_config`` or the one ``generate()`` made).
+        gc: a prepared ``GenerationConfig`` (``resolve_generation_config`` or the one ``generate()`` made).
         prompts, max_new_tokens: per prompt, its token ids (no padding) and its new-token budget (tokens).
         processors_first, processors_last: per prompt, processors run before / after its list (score recorders).
 
@@ -208,7 +208,7 @@ def request_sampling_params(
 
     Args:
         model: the transformers model (it builds the processor list, ``compat.build_logits_processors``).
-        gc: a prepared ``GenerationConfig`` (``prepare_generation_config`` or the one ``generate()`` made).
+        gc: a prepared ``GenerationConfig`` (``resolve_generation_config`` or the one ``generate()`` made).
         prompt_token_ids: this request's prompt, no padding.
         max_new_tokens: new tokens at most for this request (>= 1).
         logits_processor: the caller's processors (``PerRequest`` entries instantiated for this request),

@@ -7,7 +7,7 @@ is held back.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 from ..core.engine import run_engine
 from ..core.output_processor import IncrementalDetokenizer, cut_at_stop, omits_stop_token
@@ -36,9 +36,7 @@ class StreamDelta:
     error: BaseException | None = None
 
 
-def stream(
-    engine, stopping_criteria: dict[str, list[Callable]] | None = None, skip_special_tokens: bool = True
-) -> Iterator[StreamDelta]:
+def stream(engine, skip_special_tokens: bool = True) -> Iterator[StreamDelta]:
     """Run ``engine`` until idle, yielding per sequence the tokens and text each step added.
 
     Each token and each character is yielded once: a finished sequence yields one last delta (with
@@ -50,7 +48,6 @@ def stream(
 
     Args:
         engine: an ``LLMEngine`` with requests added (requests may be added while iterating).
-        stopping_criteria: as in ``engine.run_engine``.
         skip_special_tokens: as in ``tokenizer.decode``.
 
     Yields:
@@ -74,8 +71,8 @@ def stream(
     texts: dict[tuple[str, int], TextStream] = {}
     seen: dict[tuple[str, int], int] = {}  # (request_id, index) -> output tokens yielded; -1 once finished
     params: dict[str, tuple] = {}  # request_id -> (SamplingParams, has criteria), noted before each step
-    _note_requests(engine, stopping_criteria or {}, params)
-    for outputs in run_engine(engine, stopping_criteria):
+    _note_requests(engine, params)
+    for outputs in run_engine(engine):
         for out in outputs:
             sp, has_criteria = params[out.request_id]
             for comp in out.outputs:
@@ -99,17 +96,16 @@ def stream(
                 params.pop(out.request_id)
                 for comp in out.outputs:
                     seen.pop((out.request_id, comp.index), None)
-        _note_requests(engine, stopping_criteria or {}, params)
+        _note_requests(engine, params)
 
 
-def _note_requests(engine, stopping_criteria: dict, params: dict) -> None:
+def _note_requests(engine, params: dict) -> None:
     """Record each unfinished request's ``SamplingParams`` and whether it has stopping criteria: the engine forgets
     a request with its last output, whose text still needs them (requests added meanwhile are noted before the
     step that runs them)."""
     for request_id, request in engine.requests.items():
         if request_id not in params:
-            criteria = bool(stopping_criteria.get(request_id) or request.stopping_criteria)
-            params[request_id] = (request.sampling_params, criteria)
+            params[request_id] = (request.sampling_params, bool(request.stops.stopping_criteria))
 
 
 UNFINISHED = object()  # TextStream.add: the sequence goes on (how it ends is not known yet)
