@@ -35,6 +35,7 @@ def generate(model, backend: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.slow
 def test_triton_matches_torch_backend(arch, tiny_model):
     model = copy.deepcopy(tiny_model(arch)).to(DEVICE)  # a copy: Module.to moves the shared cached model in place
     want = generate(model, "torch")

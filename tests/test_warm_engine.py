@@ -261,6 +261,7 @@ def test_copies_of_a_model_carry_no_engine():
     release(twin)
 
 
+@pytest.mark.slow
 def test_compiled_fused_engine_between_calls(tmp_path):
     """``compile_layers`` and ``fuse_projections`` on CPU (one compile). Between calls the model has its own modules,
     whose q/k/v and gate/up weights stay views of the fused weights: a training step computes stock's loss and
