@@ -4,7 +4,7 @@ CUDA model, against a patched ``generate()`` call.
 A Llama-3-8B-shaped bf16 model with random weights (``paged_transformers.bench.workload.build_model``; no download).
 Measured, each the median of ``--reps`` runs after a warm-up:
 
-- ``check_ms``: ``WeightsFingerprint.take`` (the checksums of every storage, one Triton launch, read back), as
+- ``check_ms``: ``WeightsFingerprint.again`` (the checksums of every storage, one Triton launch, read back), as
   ``attach()`` runs it once per call; ``read_gb_s``: the weights' bytes over that time;
 - ``kernel_ms``: the checksum kernel alone (``kernels.checksum.checksums``, chunk table made), timed with CUDA events;
 - ``call_ms``: a patched ``model.generate()`` of ``--prompt-len`` prompt tokens and ``--new-tokens`` new tokens (EOS
@@ -66,10 +66,10 @@ def sanity(model) -> None:
     weight = model.model.layers[n].mlp.down_proj.weight
     old = weight.data[3, 5].item()
     weight.data[3, 5] = -old if old != 0 else 1.0
-    detail = before.compare(WeightsFingerprint.take(model, before))
+    detail = before.compare(before.again())
     weight.data[3, 5] = old
     assert detail.startswith(f"model.layers.{n}.mlp.down_proj.weight"), detail
-    assert before.compare(WeightsFingerprint.take(model, before)) == ""
+    assert before.compare(before.again()) == ""
 
 
 def main() -> None:
@@ -87,7 +87,7 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for _, t in _tensors(model))
     sanity(model)
     fingerprint = WeightsFingerprint.take(model)
-    check = median_ms(lambda: WeightsFingerprint.take(model, fingerprint), args.reps * 4)
+    check = median_ms(fingerprint.again, args.reps * 4)
     words = [w for w in (_storage_words(t) for _, t in _tensors(model)) if w is not None]
     result = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "weights_gb": nbytes / 1e9, "num_storages": len(words), "check_ms": check,

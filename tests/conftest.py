@@ -23,10 +23,20 @@ test runs on an engine (a config, a prefix cache) that another test left behind.
 """
 
 import os
+import sys
 import weakref
 
 import pytest
 import torch
+
+# With `python -m pytest` the checkout root is on sys.path, and pytest's consider_namespace_packages (pyproject: the
+# installed package's kernels/ and patches/ are namespace subpackages, which its doctests need) then imports this
+# folder as a package `tests`, so this module is `tests.conftest`. The test modules import their helpers by plain
+# name (conftest, serving, sampler_helpers), as plain `pytest` puts this folder on sys.path: do the same here, and
+# let `conftest` name this module rather than a second copy of it.
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.modules.setdefault("conftest", sys.modules[__name__])
 
 # NOTE: Triton picks interpreter or compiler when a kernel is defined, and triton.language's own helpers
 # (tl.sum, tl.max, tl.cdiv...) are defined when triton is first imported, which importing

@@ -77,6 +77,8 @@ def test_fingerprint_sees_writes_the_version_counters_miss():
     weight.data.copy_(weight.data.flip(0))  # a row permutation through .data: no version bump
     assert snapshot.compare(model) == (WeightsChange.NONE, "")
     assert before.compare(WeightsFingerprint.take(model)) == "model.layers.1.mlp.down_proj.weight: values changed in place (checksum)"
+    assert before.compare(before.again()) == "model.layers.1.mlp.down_proj.weight: values changed in place (checksum)"
+    assert before.again().compare(before.again()) == ""  # what attach() runs: the same storages, read again
     odd = torch.nn.Module()
     odd.register_buffer("mask", torch.ones(7, dtype=torch.bool))  # 7 bytes: a padded word
     first = WeightsFingerprint.take(odd)

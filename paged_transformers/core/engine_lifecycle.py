@@ -13,7 +13,7 @@ import torch
 
 from .attention import ATTENTION_NAME, install_step_hooks
 from ..integration.compat import attn_implementation
-from .weights import StaleWeightsError, WeightsChange, WeightsFingerprint, WeightsSnapshot
+from .weights import StaleWeightsError, WeightsChange, WeightsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ class EngineLifecycle:
         if change is WeightsChange.REPLACED:
             raise StaleWeightsError(f"the model's weights were replaced since this engine last ran ({detail}); "
                                     "close it and build a new one")
-        # the checksums see what the version counters miss (writes through .data, fused optimizers): weights.py
-        fingerprint = WeightsFingerprint.take(self.model, self._fingerprint)
+        # the checksums see what the version counters miss (writes through .data, fused optimizers): weights.py;
+        # the same storages as the last fingerprint's (nothing was replaced), so it reads them without a model walk
+        fingerprint = self._fingerprint.again()
         changed_values = self._fingerprint.compare(fingerprint)
         self._fingerprint = fingerprint
         if change is WeightsChange.NONE and changed_values:

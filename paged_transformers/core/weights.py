@@ -134,11 +134,14 @@ class WeightsFingerprint:
         names: per storage, the name of its first tensor.
         sums: per storage, its checksum (an int).
         tables: per CUDA device, the ``ChunkTable`` of its storages (reused by the next ``take`` while they stay).
+        words: per device, ``(index into names, int32 words view of the storage)`` of its storages: what ``again``
+            reads without walking the model.
     """
 
     names: tuple
     sums: tuple
     tables: dict
+    words: dict
 
     @classmethod
     @torch.no_grad()
@@ -153,12 +156,23 @@ class WeightsFingerprint:
             seen.add((tensor.device, words.data_ptr()))
             names.append(name)
             per_device.setdefault(tensor.device, []).append((len(names) - 1, words))
+        return cls._of(tuple(names), per_device, previous)
+
+    @torch.no_grad()
+    def again(self) -> "WeightsFingerprint":
+        """The fingerprint of the same storages now, without walking the model: for a caller that has checked (with
+        a ``WeightsSnapshot``) that every parameter and buffer is the same tensor at the same address. On CUDA one
+        launch per device over the kept chunk table and one read back: the cost is the read of the weights."""
+        return type(self)._of(self.names, self.words, self)
+
+    @classmethod
+    def _of(cls, names: tuple, per_device: dict, previous: "WeightsFingerprint | None") -> "WeightsFingerprint":
         sums, tables = [0] * len(names), {}
         for device, entries in per_device.items():
             words = [w for _, w in entries]
             for (i, _), value in zip(entries, _checksums(words, device, previous, tables).tolist()):
                 sums[i] = value
-        return cls(tuple(names), tuple(sums), tables)
+        return cls(names, tuple(sums), tables, per_device)
 
     def compare(self, now: "WeightsFingerprint") -> str:
         """'' when ``now`` has the same checksums, else the first tensor whose storage's checksum changed (or why
