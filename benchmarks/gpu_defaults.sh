@@ -17,7 +17,7 @@ python3 -c "import paged_transformers" 2>/dev/null || python3 -m pip install -q 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/nvidia_smi.txt"
 OLD=(--sweep max_num_seqs=256 --sweep max_num_batched_tokens=8192 --sweep max_cudagraph_capture_size=256)
 BENCH=(paged-transformers bench --model llama-3-8b --seed 0)
-deadline=$((SECONDS + 530))
+deadline=$((SECONDS + ${DEADLINE_S:-530}))  # DEADLINE_S: the seconds all stages may take
 stage() {  # stage NAME CAP_S COMMAND...: run with the smaller of its cap and the time left; log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   local left=$((deadline - SECONDS)); [ "$left" -lt "$cap" ] && cap=$left
