@@ -73,11 +73,11 @@ class EngineConfig:
         compile_layers: ``torch.compile`` each decoder layer around the paged attention, fusing the small
             ops between the projections (norms, rotary embedding, activation, residual adds), and the
             rotary embedding, final norm and LM head outside the layers (see ``paged_transformers.compilation``);
-            an engine with compiled layers takes 18-34 s to build on a fresh machine (Llama-3-8B shape), against
-            4.6-9.0 s with the fused eager layers. None (default): on CUDA, Llama, Mistral and Qwen2 layers run the
-            fused eager layers (``fuse_projections``), which decode about as fast without a compiler; other models, and every model with ``fuse_projections=False``, are compiled exactly when CUDA
-            graphs are on (CUDA, Triton attention, not ``enforce_eager``). True: compile whatever the model. False:
-            never compile.
+            Dynamo and Inductor make an engine with compiled layers build several times slower than one with the
+            fused eager layers (``docs/behaviour.md``). None (default): on CUDA, Llama, Mistral and Qwen2 layers run
+            the fused eager layers (``fuse_projections``), which decode about as fast without a compiler; other
+            models, and every model with ``fuse_projections=False``, are compiled exactly when CUDA graphs are on
+            (CUDA, Triton attention, not ``enforce_eager``). True: compile whatever the model. False: never compile.
         fuse_projections: compute q|k|v and gate|up as one GEMM each over a concatenated weight
             (``paged_transformers.compilation.fusion``; memory neutral, undone on close): in the fused eager decoder
             layers (``compilation.fused_layers``: Llama, Mistral and Qwen2 layers with hand-fused RMSNorm, rotary and
@@ -96,10 +96,9 @@ class EngineConfig:
             sampling draws from the global generator in another order, so its tokens differ.
         cpu_prepack_weights: give the eager fp32 CPU projections (oneDNN, on x86-64; ``paged_transformers.core.cpu_linear``)
             packed copies of their weights in oneDNN's blocked layout, which oneDNN otherwise reorders at every
-            product (SmolLM2-135M, 16 new tokens, one thread: patched ``generate()`` 1.44x faster at batch 8,
-            1.16x at batch 1).
-            Costs a second copy of every fp32 ``nn.Linear`` weight (538 MB for SmolLM2-135M, its tied LM head
-            included) and about 0.33 s to pack. None (default): pack at a call whose weights are unchanged since
+            product, so batched decode gains most (up to 1.44x faster for patched ``generate()`` at batch 8).
+            Costs a second copy of every fp32 ``nn.Linear`` weight (a tied LM head included) and a reorder of each
+            weight whenever they are packed. None (default): pack at a call whose weights are unchanged since
             the previous call (an evaluation loop packs at its second call), and drop the packs, freeing the
             memory, at the first call that sees them changed (so a loop that steps an optimizer between calls
             never packs); never at an engine's first call. False: never. True: pack at engine start too, and

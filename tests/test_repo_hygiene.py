@@ -36,20 +36,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("paged_transformers", "kernels", "patches")
 
-# TEMPORARY: files other engineers were refactoring when this check was added; they are checked again (and this
-# list emptied) once that work has merged. Do not add files here.
-SKIP_UNTIL_REFACTOR_MERGES = frozenset({
-    "paged_transformers/core/sampling.py", "paged_transformers/core/engine.py",
-    "paged_transformers/core/scheduler.py", "paged_transformers/core/output_processor.py",
-    "paged_transformers/core/input_batch.py", "paged_transformers/core/runner.py",
-    "paged_transformers/core/messages.py", "paged_transformers/core/sequence.py",
-    "paged_transformers/core/weights.py", "paged_transformers/core/cpu_linear.py",
-    "paged_transformers/core/engine_lifecycle.py", "paged_transformers/core/draw.py",
-    "paged_transformers/config.py", "paged_transformers/compilation/cuda_graphs.py",
-    "paged_transformers/entrypoints/openai/", "patches/generate.py",
-    "paged_transformers/cli.py", "paged_transformers/bench/command.py",
-})
-
 # TEMPORARY: the product modules and non-kernel functions over the size limits (``MAX_MODULE_LINES``,
 # ``MAX_FUNCTION_LINES``) when the size checks were added, each with its length then. The list can only shrink: the
 # check fails when an entry grows or no longer exceeds the limit (then delete the entry). Do not add entries.
@@ -139,10 +125,6 @@ def _product_files() -> list[Path]:
     return sorted(p for folder in SCANNED for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def _skipped(rel: str) -> bool:
-    return any(rel == entry or (entry.endswith("/") and rel.startswith(entry)) for entry in SKIP_UNTIL_REFACTOR_MERGES)
-
-
 @functools.cache
 def _repo_index() -> tuple[frozenset[str], frozenset[str]]:
     """Top-level folder names and file basenames of the repo (build outputs and hidden folders left out)."""
@@ -211,13 +193,11 @@ def dangling_references(text: str, folders: set[str], basenames: set[str],
 
 
 def _scan(check) -> list[str]:
-    """``path:line: what: text`` for every prose line of the scanned files (the temporary skips left out) for
-    which ``check(text, previous prose line or "")`` returns something."""
+    """``path:line: what: text`` for every prose line of the scanned files for which ``check(text, previous prose
+    line or "")`` returns something."""
     out = []
     for path in _product_files():
         rel = path.relative_to(REPO).as_posix()
-        if _skipped(rel):
-            continue
         lines = prose_lines(path.read_text())
         by_number = dict(lines)
         for lineno, text in lines:
@@ -237,11 +217,6 @@ def test_files_and_members_named_in_comments_exist():
     classes = _product_class_members()
     found = _scan(lambda text, _previous: dangling_references(text, folders, basenames, classes))
     assert not found, "comments/docstrings name files or members that do not exist:\n" + "\n".join(found)
-
-
-def test_temporary_skip_list_names_existing_files():
-    for entry in SKIP_UNTIL_REFACTOR_MERGES:
-        assert (REPO / entry).exists(), f"{entry} is gone: drop it from SKIP_UNTIL_REFACTOR_MERGES"
 
 
 @pytest.mark.parametrize("text", [

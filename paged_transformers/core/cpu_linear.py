@@ -1,25 +1,15 @@
 """The fp32 projections of engine forwards on CPU through oneDNN (``torch.ops.mkldnn._linear_pointwise``)
 instead of ``torch.nn.functional.linear`` (MKL's sgemm).
 
-Measured on the 2-core AMD EPYC dev machine (torch 2.13 with MKL 2024.2 and oneDNN 3.12, one thread), SmolLM2
-shapes ``[M, K] x [K, N]``, microseconds, MKL / oneDNN, weights hot in cache::
-
-    N x K             M = 1        4            8            64
-    576 x 576         27 / 38      51 / 48      75 / 59      409 / 206
-    1536 x 576        53 / 55      144 / 111    210 / 139    1137 / 521
-    49152 x 576       7385 / 4125  13773 / 7660 16596 / 8423 47400 / 21185   (the LM head)
-
-MKL is ahead only for one to three rows on a weight that stays in cache; in a model whose weights stream from
-memory every step, oneDNN is ahead at one row too (SmolLM2, 16 greedy tokens at batch 1: 0.54 s per call with every
-product on oneDNN, 0.61 s with one-to-three-row products on MKL), so every fp32 product of up to 64 rows takes it,
-its rows padded to the next of ``ROW_BUCKETS`` (oneDNN keeps a primitive per shape, 0.3-1 MiB each, for good: see
-there). Above 64 rows ``F.linear`` was as fast or faster in ``research/cpu_linear_route.py`` (SmolLM2's own weights,
-the best of 30 runs on the same machine while loaded by other work, microseconds, F.linear / oneDNN packed: layer
-0's q_proj at 100 rows 384 / 545 and at 256 rows 958 / 958, gate_proj 1126 / 1635 and 2581 / 2792, the LM head at
-100 rows 56079 / 143780), so the route ends there. (The plain weight
-is handed over: oneDNN reorders it at every call. A pre-reordered copy, ``torch.ops.mkldnn._reorder_linear_weight``,
-halved batch 8 again, but costs a second copy of every weight, 538 MB for SmolLM2, and a 0.33 s repack whenever the
-weights change: see "Packed weights" below.)
+On SmolLM2's shapes (``[M, K] x [K, N]``, one thread) oneDNN computes a product of 4 to 64 rows faster than MKL,
+up to about twice as fast at 64 rows and on the LM head; MKL is ahead only for one to three rows on a weight that
+stays in cache. In a model whose weights stream from memory every step oneDNN is ahead at one row too, so every fp32
+product of up to 64 rows takes it, its rows padded to the next of ``ROW_BUCKETS`` (oneDNN keeps a primitive per
+shape, 0.3-1 MiB each, for good: see there). Above 64 rows ``F.linear`` is as fast or faster
+(``research/cpu_linear_route.py``, SmolLM2's own weights), so the route ends there. (The plain weight is handed
+over: oneDNN reorders it at every call. A pre-reordered copy, ``torch.ops.mkldnn._reorder_linear_weight``, makes
+batched steps faster again, but costs a second copy of every weight and a repack whenever the weights change: see
+"Packed weights" below.)
 
 The routing exists only while an engine forward runs (``RoutedLinears.routed``): each ``nn.Linear``'s ``forward``
 is shadowed by an instance attribute and removed after, so plain forwards, training, autograd and ``state_dict``
@@ -116,8 +106,8 @@ class RoutedLinears:
         previous call (``weights.py``). Unchanged, and the engine has run steps on them (a previous call: so an
         evaluation loop packs at its second call, and never at an engine's first) -> pack, if not packed yet.
         Written in place (an optimizer step between calls) -> drop the packs, freeing their memory, so an RL loop
-        never packs; with ``prepack=True``, pack again. ``prepack=False``: nothing. Packing takes about 0.33 s
-        for SmolLM2-135M on one thread."""
+        never packs; with ``prepack=True``, pack again. ``prepack=False``: nothing. Packing reorders every routed
+        weight into a new copy, so it is done only when the weights are expected to stay."""
         if change is not WeightsChange.NONE:
             self.generation += 1
             self.drop()

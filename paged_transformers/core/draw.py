@@ -6,7 +6,7 @@ stays) -> drop tokens under min_p x the largest kept probability -> draw in prop
 probabilities.
 
 Rows with top-k or top-p are computed on candidates, their largest logits in order (``torch.topk``), not on a
-sort of the whole vocabulary (a sort of 8 x 49,152 took 24 ms on the CPU, ``torch.topk`` of 256 of them 1 ms):
+sort of the whole vocabulary (on the CPU a sort of the vocabulary costs ~24x a ``torch.topk`` of 256):
 
     top-k rows:      the candidates are the largest top_k: exact.
     top-p rows (no top-k), on CPU: ``top_p_candidates`` (256) candidates, the probabilities normalised over the
@@ -146,8 +146,8 @@ def _picked_is_nan(probs: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Row argmax ``[num_rows, V] -> [num_rows]`` int64, ``torch.argmax``'s indices (first maximum, NaN largest).
-    On CUDA the two-stage Triton kernel ``argmax_rows``: PyTorch's one-block reduction of a row took 28 us of each
-    batch-1 decode step on an H200 (128,256-entry vocabulary)."""
+    On CUDA the two-stage Triton kernel ``argmax_rows``: PyTorch reduces a row in one thread block, tens of
+    microseconds of a batch-1 decode step at a 128,256-entry vocabulary, where a split over many blocks is short."""
     return argmax_rows(x) if x.is_cuda else x.argmax(dim=-1)
 
 

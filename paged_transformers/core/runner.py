@@ -236,8 +236,8 @@ class ModelRunner:
     def _compile(self, fuse: bool) -> None:
         """Compile the layers now (``Compilation.compile``). The dummy forwards (``_warmups``) trace the graphs the
         first real steps need, so that no call recompiles, and run under ``kernels.compile_only``: our Triton
-        kernels are compiled, not run, in threads beside Dynamo and Inductor (the JIT of each variant took 0.3-1.5 s
-        of the main thread after them; their outputs are thrown away here)."""
+        kernels are compiled, not run, in threads beside Dynamo and Inductor (launched, each variant's JIT would hold
+        the main thread after them; their outputs are thrown away here)."""
         with compile_only():
             self.compilation.compile(fuse, self._warmups())
 
