@@ -30,7 +30,7 @@ _EXPORTS = {
     "RequestMetrics": ".outputs",
     "RequestOutput": ".outputs",
     "SamplingParams": ".sampling_params",
-    "PerRequest": ".integration.generation_config",
+    "PerRequest": ".logits_process",
     "engine_for": ".integration.warm",
     "load_model": ".quantization",
     "paged_generate": ".integration.generate",

@@ -162,9 +162,61 @@ class SamplingParams:
                 ``bad_words_ids``, ``stop_strings``, ...: use ``paged_generate(generation_config=...)``),
                 naming it.
         """
-        from .integration.generation_config import sampling_params_fields  # (generation_config imports this module)
-
         return cls(**{**sampling_params_fields(generation_config), **overrides})
+
+
+def sampling_params_fields(gc) -> dict[str, Any]:
+    """``SamplingParams`` fields for a transformers ``GenerationConfig`` ``gc``, without a model:
+    ``SamplingParams.from_generation_config``.
+
+    ``do_sample=False`` becomes ``temperature=0``; ``max_new_tokens`` becomes ``max_tokens`` (unset: the
+    ``SamplingParams`` default); ``min_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``, ``num_return_sequences`` (as ``n``) carry over.
+
+    Raises:
+        NotImplementedError: ``num_beams > 1``, or an option that needs a transformers logits processor or
+            stopping criterion (``_PROCESSOR_FIELDS``), naming it.
+    """
+    if getattr(gc, "num_beams", 1) not in (None, 1):
+        raise NotImplementedError(f"GenerationConfig.num_beams={gc.num_beams} (beam search) is not supported by the paged engine")
+    needs_processors = [
+        f"{name}={getattr(gc, name)!r}" for name, neutral in _PROCESSOR_FIELDS.items()
+        if getattr(gc, name, neutral) not in (neutral, None) and not (name == "typical_p" and not gc.do_sample)
+    ]
+    if needs_processors:
+        raise NotImplementedError(
+            f"SamplingParams.from_generation_config cannot map GenerationConfig options {', '.join(needs_processors)}; "
+            "use paged_generate(..., generation_config=gc) or the patched model.generate(), which run "
+            "transformers' own logits processors per request"
+        )
+    fields: dict[str, Any] = {"temperature": 0.0}
+    if gc.do_sample:
+        fields.update(
+            temperature=gc.temperature if gc.temperature is not None else 1.0,
+            top_k=gc.top_k or 0,
+            top_p=gc.top_p if gc.top_p is not None else 1.0,
+            min_p=gc.min_p or 0.0,
+        )
+    if gc.max_new_tokens is not None:
+        fields["max_tokens"] = gc.max_new_tokens
+    if gc.min_new_tokens:
+        fields["min_tokens"] = gc.min_new_tokens
+    if gc.repetition_penalty is not None:
+        fields["repetition_penalty"] = gc.repetition_penalty
+    if gc.num_return_sequences:
+        fields["n"] = gc.num_return_sequences
+    return fields
+
+
+# GenerationConfig fields served by transformers logits processors / stopping criteria (not by
+# SamplingParams fields), with their neutral values.
+_PROCESSOR_FIELDS = {
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+    "watermarking_config": None, "stop_strings": None, "max_time": None, "renormalize_logits": False,
+    "min_length": 0, "encoder_repetition_penalty": 1.0, "top_h": None,
+}
 
 
 def _is_int(value) -> bool:

@@ -7,7 +7,7 @@ functions raise a ValueError for a call that stock ``generate()`` would also fai
 
 import torch
 
-from ..integration.compat import can_set_attn_implementation, is_user_defined_cache
+from ..compat import can_set_attn_implementation, is_user_defined_cache
 from ..integration.generation_config import ENGINE_MODES
 from ..integration.padding import left_padding
 

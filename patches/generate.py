@@ -46,7 +46,7 @@ import torch
 from transformers import GenerationMixin
 
 from ..integration.cache import PagedCache
-from ..integration.compat import (
+from ..compat import (
     PATCHED_GENERATION_METHODS, GenerateDecoderOnlyOutput, is_user_defined_cache, original_generation_method,
     pad_token_id,
 )

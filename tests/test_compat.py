@@ -1,4 +1,4 @@
-"""Every entry of ``paged_transformers.integration.compat`` against the installed transformers: each private API the package
+"""Every entry of ``paged_transformers.compat`` against the installed transformers: each private API the package
 relies on still exists and still does what the package assumes. The references are transformers' public
 behaviour (what stock ``generate()`` does and returns, public classes), not compat's own code. CI runs this file
 on the newest transformers and on 5.17.0, the lowest supported."""
@@ -13,7 +13,7 @@ from transformers import (
     NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
 )
 
-from paged_transformers.integration import compat
+from paged_transformers import compat
 
 
 class _Spy(LogitsProcessor):

@@ -5,7 +5,7 @@ import pytest
 from huggingface_hub import constants
 
 from paged_transformers import load_model
-from paged_transformers.integration.hub import resolve_model_path
+from paged_transformers.hub import resolve_model_path
 
 MADE_UP = "made-up-org/no-such-model-17"
 

@@ -8,7 +8,7 @@ import torch
 from paged_transformers import LLM, EngineConfig, LLMEngine, SamplingParams
 from paged_transformers.compilation import Compilation, DecodeGraphs, graph_batch_sizes
 from paged_transformers.core.attention import ATTENTION_NAME
-from paged_transformers.integration.compat import attn_implementation
+from paged_transformers.compat import attn_implementation
 from paged_transformers.core.runner import ModelRunner
 
 from conftest import engine_greedy, make_tiny_model, random_prompts, stock_greedy

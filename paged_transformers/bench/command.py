@@ -250,7 +250,7 @@ class _ParallelEngines:
             raise ValueError("--tensor-parallel-size > 1 needs --model as a checkpoint path, without --compare or --quantization")
         from transformers import AutoConfig
 
-        from ..integration.hub import resolve_model_path
+        from ..hub import resolve_model_path
         from ..quantization.loader import build_skeleton
 
         self.args, self.dtype, self.folder = args, dtype, resolve_model_path(args.model)

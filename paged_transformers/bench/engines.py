@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..integration.compat import attn_implementation, workload_hints
+from ..compat import attn_implementation, workload_hints
 from ..config import EngineConfig
 from .workload import BenchRequest
 

@@ -40,7 +40,7 @@ def build_model(name: str, dtype: torch.dtype, device: str, quantization: str | 
     """
     import transformers
 
-    from ..integration.compat import model_from_config
+    from ..compat import model_from_config
 
     if name not in MODEL_SHAPES:
         if quantization is not None:

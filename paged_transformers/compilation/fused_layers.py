@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..forward_context import current_metadata
 from ..kernels.layer_ops import rms_norm, rotary_embedding, silu_and_mul
 from .gemv_routing import project
 from .layers import decoder_layers
@@ -124,7 +125,8 @@ def fused_layer_forward(layer: nn.Module, plan: _LayerPlan, hidden_states: torch
         plan: the layer's ``_LayerPlan``.
         hidden_states: ``[1, num_tokens, hidden]`` (the engine's one packed row; any leading shape works).
         position_embeddings: the model's rotary ``(cos, sin)``, each ``[1, num_tokens, head_dim]``.
-        paged_metadata: the step's ``attention.AttentionMetadata`` (from the model's forward, or the step hooks').
+        paged_metadata: the step's ``AttentionMetadata`` (from the model's forward, else the step hooks':
+            ``current_metadata``).
         args, kwargs: the rest of the layer's arguments (mask, position ids, cache flags), unused: masking comes from
             the metadata.
 
@@ -135,9 +137,7 @@ def fused_layer_forward(layer: nn.Module, plan: _LayerPlan, hidden_states: torch
         RuntimeError: outside an engine step (no metadata), without ``position_embeddings``, or in training mode
             with attention dropout.
     """
-    from ..core import attention
-
-    md = paged_metadata if paged_metadata is not None else getattr(attention._step, "metadata", None)
+    md = paged_metadata if paged_metadata is not None else current_metadata()
     attn = layer.self_attn
     if md is None or position_embeddings is None:
         raise RuntimeError(f"the fused {type(layer).__name__} runs only inside the paged engine's forward, with the "

@@ -5,11 +5,10 @@ transformers calls it in place of eager/SDPA attention once the model's ``attn_i
 ``ATTENTION_NAME``. The runner hands each step's metadata to ``model(...)`` as the keyword argument
 ``paged_metadata``; transformers forwards unknown keyword arguments down to the attention function.
 Some models' decoder layers drop those keyword arguments (StableLM, in transformers 5.24), so the
-engine also installs ``install_step_hooks`` on the model: they keep the metadata of the forward in
-progress, and the attention function falls back to it.
+engine also installs ``forward_context.install_step_hooks`` on the model: they keep the metadata of the
+forward in progress, and the attention function falls back to it (``current_metadata``).
 """
 
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +16,7 @@ import torch
 from transformers import AttentionInterface
 
 from ..config import AttentionBackend
+from ..forward_context import current_metadata
 from .kv_pool import KVPool
 
 # NOTE: transformers keys behaviour off the substrings flash, sdpa, flex, "paged|" and "/" in an
@@ -126,7 +126,7 @@ def paged_attention_forward(
             implementation), or with dropout in training mode.
     """
     if paged_metadata is None:
-        paged_metadata = getattr(_step, "metadata", None)
+        paged_metadata = current_metadata()
     if paged_metadata is None:
         raise RuntimeError(
             f"{type(module).__name__} runs attn_implementation={ATTENTION_NAME!r}, which only works inside the paged "
@@ -153,30 +153,6 @@ def paged_attention_forward(
         **extra,
     )
     return out.unsqueeze(0), None
-
-
-_step = threading.local()  # .metadata: the AttentionMetadata of the engine forward in progress, or None
-
-
-def _remember_metadata(module, args, kwargs) -> None:
-    _step.metadata = kwargs.get("paged_metadata")
-
-
-def _forget_metadata(module, args, kwargs, output) -> None:
-    _step.metadata = None
-
-
-def install_step_hooks(model: torch.nn.Module) -> list:
-    """Forward hooks on the top-level model that keep the ``paged_metadata`` of the forward in progress
-    (cleared when it returns or raises), for layers that do not pass keyword arguments on.
-
-    Returns:
-        The hook handles; call ``.remove()`` on each to uninstall.
-    """
-    return [
-        model.register_forward_pre_hook(_remember_metadata, with_kwargs=True),
-        model.register_forward_hook(_forget_metadata, with_kwargs=True, always_call=True),
-    ]
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

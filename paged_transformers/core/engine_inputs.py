@@ -11,7 +11,7 @@ import operator
 import torch
 
 from ..config import EngineConfig
-from ..integration.compat import can_set_attn_implementation
+from ..compat import can_set_attn_implementation
 from ..sampling_params import SamplingParams
 
 

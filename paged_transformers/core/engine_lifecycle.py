@@ -11,8 +11,9 @@ import os
 
 import torch
 
-from .attention import ATTENTION_NAME, install_step_hooks
-from ..integration.compat import attn_implementation
+from .attention import ATTENTION_NAME
+from ..compat import attn_implementation
+from ..forward_context import install_step_hooks
 from .weights import StaleWeightsError, WeightsChange, WeightsSnapshot
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from .attention import ATTENTION_NAME, AttentionMetadata, AttentionOps
 from ..kernels.api import compile_only
 from .draw import argmax, host_to_device
 from .execution_plan import DeviceFacts, ExecutionPlan, LayerPath, ModelFacts, resolve_execution_plan
-from ..integration.compat import attn_implementation
+from ..compat import attn_implementation
 from .input_batch import InputBatch
 from .kv_pool import KVPool
 from .messages import SchedulerOutput, StepTrace

@@ -4,7 +4,7 @@ import dataclasses
 import enum
 import itertools
 
-from ..integration.generation_config import PerRequest, instantiate_per_request
+from ..logits_process import PerRequest, instantiate_per_request
 from ..sampling_params import SamplingParams
 from .sampling_batch import needs_host_work
 

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 from ..config import EngineConfig
 from ..integration import checkpoint
-from ..integration.hub import resolve_model_path
+from ..hub import resolve_model_path
 from ..quantization.loader import build_skeleton
 from .engine import DriverEngine, ShardedEngine, serve
 from .protocol import Channel, Shutdown

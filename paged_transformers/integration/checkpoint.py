@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .hub import resolve_model_path
+from ..hub import resolve_model_path
 from ..quantization import load_model, read_quantization_config
 from ..core.sizing import model_compute_dtype
 

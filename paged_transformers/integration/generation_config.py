@@ -1,9 +1,11 @@
 """The one ``GenerationConfig`` -> per-prompt ``SamplingParams`` adapter, with transformers' own logits processors.
 
-``paged_generate(generation_config=...)`` (``sampling_params_from_generation_config``), the patched
+``paged_generate(generation_config=...)`` (``sampling_params_from_generation_config``) and the patched
 ``model.generate()`` and so ``pipeline("text-generation")`` (``sampling_params_for_prompts`` on the config and
-stopping criteria stock ``generate()`` prepared) and ``SamplingParams.from_generation_config``
-(``sampling_params_fields``) all map a ``GenerationConfig`` here.
+stopping criteria stock ``generate()`` prepared) map a ``GenerationConfig`` here.
+``SamplingParams.from_generation_config`` maps, without a model, only the options that are ``SamplingParams``
+fields (``sampling_params_fields``, in ``sampling_params.py``; this module's ``__all__`` names it and
+``PerRequest`` too, so the adapter's whole API imports from one place).
 
 The engine samples each request alone, so every ``GenerationConfig`` option that ``generate()``
 implements as a ``LogitsProcessor`` (repetition_penalty, no_repeat_ngram_size, bad_words_ids,
@@ -17,13 +19,13 @@ the argmax (``do_sample=False``) or draws from ``softmax(scores)`` (``do_sample=
 loop (``engine.run_engine``), as ``criterion(input_ids [1, num_tokens], None)``.
 
 Processors and per-request state: one ``LogitsProcessor`` instance given by the caller is shared by
-every request (fine for stateless ones). For a stateful processor, wrap a factory in ``PerRequest``:
-each request (and each of its sequences) gets its own instance; outside the engine (stock
-``generate()``) ``PerRequest`` builds one instance and behaves like it.
+every request (fine for stateless ones). For a stateful processor, wrap a factory in ``PerRequest``
+(``logits_process.py``): each request (and each of its sequences) gets its own instance; outside the engine
+(stock ``generate()``) ``PerRequest`` builds one instance and behaves like it.
 """
 
 import copy
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import torch
 from transformers import (
@@ -31,9 +33,10 @@ from transformers import (
     StopStringCriteria,
 )
 
-from . import compat
-from .compat import GenerationMode, eos_token_ids
-from ..sampling_params import SamplingParams
+from .. import compat
+from ..compat import GenerationMode, eos_token_ids
+from ..logits_process import PerRequest, instantiate_per_request
+from ..sampling_params import SamplingParams, sampling_params_fields
 
 __all__ = [
     "ENGINE_MODES", "PerRequest", "ScoreRecorder", "check_engine_supported", "eos_token_ids",
@@ -42,45 +45,6 @@ __all__ = [
 ]
 
 ENGINE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-
-
-class PerRequest(LogitsProcessor):
-    """A logits processor built fresh for every request (for processors that keep state).
-
-    Args:
-        factory: ``() -> LogitsProcessor``; called once per request sequence by the engine, once in all
-            by stock ``generate()`` (which then calls that instance with the whole batch).
-
-    Raises:
-        ValueError: ``factory`` is not callable.
-
-    Examples:
-        >>> from transformers import NoRepeatNGramLogitsProcessor
-        >>> from paged_transformers.integration.generation_config import PerRequest
-        >>> proc = PerRequest(lambda: NoRepeatNGramLogitsProcessor(2))
-        >>> proc.new() is proc.new()
-        False
-    """
-
-    def __init__(self, factory: Callable[[], Any]):
-        if not callable(factory):
-            raise ValueError(f"PerRequest needs a callable factory, got {factory!r}")
-        self.factory = factory
-        self._shared = None
-
-    def new(self):
-        """A fresh instance for one request."""
-        return self.factory()
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._shared is None:
-            self._shared = self.factory()
-        return self._shared(input_ids, scores)
-
-
-def instantiate_per_request(processors: Iterable | None) -> list:
-    """The processors for one request: ``PerRequest`` entries replaced by fresh instances."""
-    return [p.new() if isinstance(p, PerRequest) else p for p in (processors or [])]
 
 
 def check_engine_supported(gc: GenerationConfig) -> None:
@@ -251,59 +215,6 @@ def _request_generation_config(gc: GenerationConfig, prompt_len: int, max_new_to
     if gc.min_length:
         row_gc.min_length = prompt_len + max(0, gc.min_length - (gc.max_length - max_new_tokens))
     return row_gc
-
-
-def sampling_params_fields(gc: GenerationConfig) -> dict[str, Any]:
-    """``SamplingParams`` fields for a ``GenerationConfig`` without a model: ``SamplingParams.from_generation_config``.
-
-    ``do_sample=False`` becomes ``temperature=0``; ``max_new_tokens`` becomes ``max_tokens`` (unset: the
-    ``SamplingParams`` default); ``min_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
-    ``repetition_penalty``, ``num_return_sequences`` (as ``n``) carry over.
-
-    Raises:
-        NotImplementedError: ``num_beams > 1``, or an option that needs a transformers logits processor or
-            stopping criterion (``_PROCESSOR_FIELDS``), naming it.
-    """
-    if getattr(gc, "num_beams", 1) not in (None, 1):
-        raise NotImplementedError(f"GenerationConfig.num_beams={gc.num_beams} (beam search) is not supported by the paged engine")
-    needs_processors = [
-        f"{name}={getattr(gc, name)!r}" for name, neutral in _PROCESSOR_FIELDS.items()
-        if getattr(gc, name, neutral) not in (neutral, None) and not (name == "typical_p" and not gc.do_sample)
-    ]
-    if needs_processors:
-        raise NotImplementedError(
-            f"SamplingParams.from_generation_config cannot map GenerationConfig options {', '.join(needs_processors)}; "
-            "use paged_generate(..., generation_config=gc) or the patched model.generate(), which run "
-            "transformers' own logits processors per request"
-        )
-    fields: dict[str, Any] = {"temperature": 0.0}
-    if gc.do_sample:
-        fields.update(
-            temperature=gc.temperature if gc.temperature is not None else 1.0,
-            top_k=gc.top_k or 0,
-            top_p=gc.top_p if gc.top_p is not None else 1.0,
-            min_p=gc.min_p or 0.0,
-        )
-    if gc.max_new_tokens is not None:
-        fields["max_tokens"] = gc.max_new_tokens
-    if gc.min_new_tokens:
-        fields["min_tokens"] = gc.min_new_tokens
-    if gc.repetition_penalty is not None:
-        fields["repetition_penalty"] = gc.repetition_penalty
-    if gc.num_return_sequences:
-        fields["n"] = gc.num_return_sequences
-    return fields
-
-
-# GenerationConfig fields served by transformers logits processors / stopping criteria (not by
-# SamplingParams fields), with their neutral values.
-_PROCESSOR_FIELDS = {
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
-    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
-    "watermarking_config": None, "stop_strings": None, "max_time": None, "renormalize_logits": False,
-    "min_length": 0, "encoder_repetition_penalty": 1.0, "top_h": None,
-}
 
 
 class ScoreRecorder(LogitsProcessor):

@@ -219,7 +219,7 @@ def attached_engine(
         >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from paged_transformers import SamplingParams
-        >>> from paged_transformers.integration.compat import attn_implementation
+        >>> from paged_transformers.compat import attn_implementation
         >>> from paged_transformers.integration.warm import attached_engine
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
         <...>

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..integration.hub import resolve_model_path
+from ..hub import resolve_model_path
 from .config import QuantizationConfig, QuantMethod, read_quantization_config
 from .formats import awq_to_kernel_layout, gptq_to_kernel_layout
 from .linear import QuantLinear

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from ...default_model import DEFAULT_MODEL_NAME, default_model_path
-from ...integration.hub import resolve_model_path
+from ...hub import resolve_model_path
 from ..async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from ..engine_process import configure_logging, freeze_gc_heap
 from ..llm import LLM
