@@ -17,9 +17,10 @@ python3 -c "import paged_transformers" 2>/dev/null || python3 -m pip install -q 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/nvidia_smi.txt"
 OLD=(--sweep max_num_seqs=256 --sweep max_num_batched_tokens=8192 --sweep max_cudagraph_capture_size=256)
 BENCH=(paged-transformers bench --model llama-3-8b --seed 0)
-deadline=$((SECONDS + ${DEADLINE_S:-530}))  # DEADLINE_S: the seconds all stages may take
+deadline=$((SECONDS + ${DEADLINE_S:-530}))  # DEADLINE_S: the seconds all stages may take; STAGES: which (a b c d)
 stage() {  # stage NAME CAP_S COMMAND...: run with the smaller of its cap and the time left; log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
+  case " ${STAGES:-a b c d} " in *" ${name%%_*} "*) ;; *) echo "$name: not run (STAGES)" | tee -a "$OUT/stages.log"; return;; esac
   local left=$((deadline - SECONDS)); [ "$left" -lt "$cap" ] && cap=$left
   [ "$cap" -gt 10 ] || { echo "$name: not run (no time left)" | tee -a "$OUT/stages.log"; return; }
   local t0=$SECONDS
