@@ -24,10 +24,6 @@ FOLDERS = {PACKAGE: REPO / PACKAGE, f"{PACKAGE}.kernels": REPO / "kernels", f"{P
 ROOT_NODE = "__init__"
 FORBIDDEN = {("core", "integration"), ("core", "entrypoints")}
 
-# Edges of a cycle not yet removed, as (importer, imported) nodes. The test fails if one of them is gone, so that
-# the list can only shrink; it must end empty.
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
-
 
 def module_files() -> dict[str, Path]:
     """Every module of the package, by dotted name (``paged_transformers.core.engine``), to its file;
@@ -132,13 +128,7 @@ def describe(edges) -> str:
 
 def test_no_import_cycle_between_packages():
     cycles = cycle_edges(import_graph())
-    unexpected = {edge: where for edge, where in cycles.items() if edge not in KNOWN_CYCLE_EDGES}
-    assert not unexpected, "import cycle between packages, made by these imports:\n" + describe(unexpected)
-
-
-def test_known_cycle_edges_still_exist():
-    gone = KNOWN_CYCLE_EDGES - set(cycle_edges(import_graph()))
-    assert not gone, f"remove these from KNOWN_CYCLE_EDGES (no longer on a cycle): {sorted(gone)}"
+    assert not cycles, "import cycle between packages, made by these imports:\n" + describe(cycles)
 
 
 @pytest.mark.parametrize("importer,imported", sorted(FORBIDDEN))
