@@ -11,9 +11,11 @@ OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
 for round in 1 2; do
   for tree in old new; do
     dir=.; [ "$tree" = old ] && dir=.oldtree
+    # the new tree picks its step limits by device: give it the old tree's fixed ones to compare like with like
+    limits=(--max-num-seqs 256 --max-num-batched-tokens 8192 --max-cudagraph-capture-size 256); [ "$tree" = old ] && limits=()
     python3 -m pip install -q --no-build-isolation --no-deps -e "$dir" 2>&1 | tail -1
     timeout 170 paged-transformers bench --model llama-3-8b --num-requests 256 --input-len-range 64 1024 \
-      --output-len-range 16 512 --seed 0 --output-json "$OUT/side_${tree}_$round.json" > "$OUT/side_${tree}_$round.log" 2>&1
+      --output-len-range 16 512 --seed 0 "${limits[@]}" --output-json "$OUT/side_${tree}_$round.json" > "$OUT/side_${tree}_$round.log" 2>&1
     echo "== $tree round $round rc=$?"; grep -E "^paged |batch-1 decode" "$OUT/side_${tree}_$round.log"
   done
 done
