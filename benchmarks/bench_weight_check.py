@@ -25,7 +25,7 @@ import torch
 
 import paged_transformers
 from paged_transformers.bench.workload import build_model
-from paged_transformers.core.weights import WeightsFingerprint, _storage_words, _tensors
+from paged_transformers.core.weights import WeightsFingerprint, _storage_bytes, _tensors, _words
 from paged_transformers.kernels.checksum import checksums, checksums_ref, chunk_table
 
 
@@ -59,7 +59,7 @@ def kernel_ms(words: list[torch.Tensor], reps: int) -> float:
 
 def sanity(model) -> None:
     """The kernel equals the reference on the first weights; a one-element ``.data`` write changes the fingerprint."""
-    words = [w for w in (_storage_words(t) for _, t in list(_tensors(model))[:6]) if w is not None]
+    words = [_words(r) for r in (_storage_bytes(t) for _, t in list(_tensors(model))[:6]) if r is not None]
     assert checksums(words).tolist() == checksums_ref(words).tolist(), "kernel != reference"
     before = WeightsFingerprint.take(model)
     n = len(model.model.layers) // 2
@@ -88,7 +88,7 @@ def main() -> None:
     sanity(model)
     fingerprint = WeightsFingerprint.take(model)
     check = median_ms(fingerprint.again, args.reps * 4)
-    words = [w for w in (_storage_words(t) for _, t in _tensors(model)) if w is not None]
+    words = [_words(r) for r in (_storage_bytes(t) for _, t in _tensors(model)) if r is not None]
     result = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "weights_gb": nbytes / 1e9, "num_storages": len(words), "check_ms": check,
               "read_gb_s": nbytes / 1e9 / (check / 1e3), "kernel_ms": kernel_ms(words, args.reps * 4), "calls": []}

@@ -84,6 +84,7 @@ def test_fingerprint_sees_writes_the_version_counters_miss():
     first = WeightsFingerprint.take(odd)
     odd.mask.data[6] = False
     assert first.compare(WeightsFingerprint.take(odd)) == "mask: values changed in place (checksum)"
+    assert first.compare(first.again()) == "mask: values changed in place (checksum)"  # padded words made again
 
 
 # -- the engine between calls -----------------------------------------------------------------------------------

@@ -107,10 +107,9 @@ class WeightsSnapshot:
         return WeightsChange.UPDATED, updated
 
 
-def _storage_words(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The bytes of ``tensor``'s whole storage as ``[ceil(nbytes / 4)]`` int32 words (a view; a zero-padded copy when
-    the size or the address is not a multiple of 4 bytes). None for a tensor without data (meta, empty, or a
-    subclass without a storage of its own)."""
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The bytes of ``tensor``'s whole storage as a ``[nbytes]`` uint8 view. None for a tensor without data (meta,
+    empty, or a subclass without a storage of its own)."""
     try:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
@@ -118,9 +117,14 @@ def _storage_words(tensor: torch.Tensor) -> torch.Tensor | None:
     nbytes = storage.nbytes()
     if tensor.device.type == "meta" or nbytes == 0:
         return None
-    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (nbytes,), (1,))
-    if nbytes % 4 or storage.data_ptr() % 4:
-        raw = torch.cat([raw, raw.new_zeros(-nbytes % 4)])
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (nbytes,), (1,))
+
+
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """``[nbytes]`` uint8 as ``[ceil(nbytes / 4)]`` int32 words: a view, or a zero-padded copy (made again at each
+    call, so that it holds the current bytes) when the size or the address is not a multiple of 4 bytes."""
+    if raw.numel() % 4 or raw.data_ptr() % 4:
+        raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 4)])
     return raw.view(torch.int32)
 
 
@@ -133,14 +137,14 @@ class WeightsFingerprint:
         names: per storage, the name of its first tensor.
         sums: per storage, its checksum (an int).
         tables: per CUDA device, the ``ChunkTable`` of its storages (reused by the next ``take`` while they stay).
-        words: per device, ``(index into names, int32 words view of the storage)`` of its storages: what ``again``
-            reads without walking the model.
+        storages: per device, ``(index into names, [nbytes] uint8 view of the storage)`` of its storages: what
+            ``again`` reads without walking the model.
     """
 
     names: tuple
     sums: tuple
     tables: dict
-    words: dict
+    storages: dict
 
     @classmethod
     @torch.no_grad()
@@ -149,12 +153,12 @@ class WeightsFingerprint:
         its chunk tables where the storages are the same."""
         seen, names, per_device = set(), [], {}
         for name, tensor in _tensors(model):
-            words = _storage_words(tensor)
-            if words is None or (tensor.device, words.data_ptr()) in seen:
+            raw = _storage_bytes(tensor)
+            if raw is None or (tensor.device, raw.data_ptr()) in seen:
                 continue
-            seen.add((tensor.device, words.data_ptr()))
+            seen.add((tensor.device, raw.data_ptr()))
             names.append(name)
-            per_device.setdefault(tensor.device, []).append((len(names) - 1, words))
+            per_device.setdefault(tensor.device, []).append((len(names) - 1, raw))
         return cls._of(tuple(names), per_device, previous)
 
     @torch.no_grad()
@@ -162,13 +166,13 @@ class WeightsFingerprint:
         """The fingerprint of the same storages now, without walking the model: for a caller that has checked (with
         a ``WeightsSnapshot``) that every parameter and buffer is the same tensor at the same address. On CUDA one
         launch per device over the kept chunk table and one read back: the cost is the read of the weights."""
-        return type(self)._of(self.names, self.words, self)
+        return type(self)._of(self.names, self.storages, self)
 
     @classmethod
     def _of(cls, names: tuple, per_device: dict, previous: "WeightsFingerprint | None") -> "WeightsFingerprint":
         sums, tables = [0] * len(names), {}
         for device, entries in per_device.items():
-            words = [w for _, w in entries]
+            words = [_words(raw) for _, raw in entries]
             for (i, _), value in zip(entries, _checksums(words, device, previous, tables).tolist()):
                 sums[i] = value
         return cls(names, tuple(sums), tables, per_device)
