@@ -7,11 +7,11 @@
         --out kernels/w4a16/configs/NVIDIA_H100_80GB_HBM3.json
 
     # a table from a dispatch.py that kept its tuning as an ordered list of rules (RULES), e.g. the last one:
-    git show e3bd65f:kernels/w4a16/dispatch.py > /tmp/dispatch_rules.py
-    python research/w4a16_tables.py from-rules /tmp/dispatch_rules.py --device-name "NVIDIA H100 80GB HBM3" --out ...
+    git show e3bd65f:kernels/w4a16/dispatch.py > research/dispatch_rules.py
+    python research/w4a16_tables.py from-rules research/dispatch_rules.py --device-name "NVIDIA H100 80GB HBM3" --out ...
 
     # the configs that rules-based dispatch.py and the shipped table pick, compared on a described Hopper of 132 SMs
-    python research/w4a16_tables.py check /tmp/dispatch_rules.py --device-name "NVIDIA H100 80GB HBM3"
+    python research/w4a16_tables.py check research/dispatch_rules.py --device-name "NVIDIA H100 80GB HBM3"
 
 No GPU is needed: ``default_config`` chooses without launching.
 """

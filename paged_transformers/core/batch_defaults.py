@@ -29,7 +29,7 @@ import torch
 from ..config import EngineConfig, UsageContext
 
 GiB = 1 << 30
-LARGE_GPU_MEMORY_BYTES = 70 * GiB  # vLLM's threshold for the larger defaults (H100 / H200 / MI300x)
+LARGE_GPU_MEMORY_BYTES = 70 * GiB  # vLLM's threshold of device memory for its larger step limits
 MAX_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's cap of the default largest graph
 
 # (max_num_batched_tokens, max_num_seqs) per usage context
